@@ -1,0 +1,95 @@
+#include "bucket_plan.h"
+
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <utility>
+
+namespace pgd::core {
+
+BucketPlan plan_buckets(
+    const std::vector<ParamSpec>& params,
+    int64_t bucket_cap_bytes,
+    int64_t first_bucket_cap_bytes) {
+  if (bucket_cap_bytes <= 0 || first_bucket_cap_bytes <= 0) {
+    throw std::invalid_argument(
+        "bucket caps must be positive (got bucket_cap_bytes=" +
+        std::to_string(bucket_cap_bytes) + ", first_bucket_cap_bytes=" +
+        std::to_string(first_bucket_cap_bytes) + ")");
+  }
+  BucketPlan plan;
+  plan.bucket_of_param.assign(params.size(), -1);
+  plan.offset_of_param.assign(params.size(), -1);
+
+  // Open bucket per (dtype, device) group: parameters of other groups may be
+  // interleaved without closing it, exactly like DDP's per-type accumulation.
+  // Each group has its own first (small) bucket, as in DDP's
+  // compute_bucket_assignment_by_size.
+  using Group = std::pair<int, int>;
+  std::map<Group, int64_t> open;  // group -> index in plan.buckets
+  std::map<Group, bool> first_closed;
+
+  auto close = [&](std::map<Group, int64_t>::iterator it) {
+    first_closed[it->first] = true;
+    open.erase(it);
+  };
+
+  for (int64_t i = static_cast<int64_t>(params.size()) - 1; i >= 0; --i) {
+    const ParamSpec& p = params[static_cast<size_t>(i)];
+    if (p.numel < 0 || p.element_size <= 0) {
+      throw std::invalid_argument(
+          "parameter " + std::to_string(i) + " has numel=" +
+          std::to_string(p.numel) + " element_size=" +
+          std::to_string(p.element_size));
+    }
+    if (!p.requires_grad) {
+      continue;
+    }
+    const auto key = std::make_pair(p.dtype, p.device);
+    const int64_t bytes = p.numel * p.element_size;
+    auto cap_of = [&](const Group& g) {
+      return first_closed[g] ? bucket_cap_bytes : first_bucket_cap_bytes;
+    };
+
+    auto it = open.find(key);
+    if (it != open.end()) {
+      const Bucket& b = plan.buckets[static_cast<size_t>(it->second)];
+      if (b.bytes > 0 && b.bytes + bytes > cap_of(key)) {
+        close(it);
+        it = open.end();
+      }
+    }
+    if (it == open.end()) {
+      Bucket b;
+      b.dtype = p.dtype;
+      b.device = p.device;
+      plan.buckets.push_back(std::move(b));
+      it = open.emplace(key, static_cast<int64_t>(plan.buckets.size()) - 1).first;
+    }
+    const int64_t bucket_index = it->second;
+    Bucket& b = plan.buckets[static_cast<size_t>(bucket_index)];
+    b.params.push_back(i);
+    b.offsets.push_back(b.numel);
+    plan.bucket_of_param[static_cast<size_t>(i)] = bucket_index;
+    plan.offset_of_param[static_cast<size_t>(i)] = b.numel;
+    b.numel += p.numel;
+    b.bytes += bytes;
+    if (b.bytes >= cap_of(key)) {
+      close(it);
+    }
+  }
+  return plan;
+}
+
+std::string BucketPlan::describe() const {
+  std::ostringstream out;
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    const Bucket& b = buckets[i];
+    out << "bucket " << i << ": " << b.params.size() << " params, " << b.numel
+        << " elements, " << b.bytes << " bytes, dtype " << b.dtype
+        << ", device " << b.device << "\n";
+  }
+  return out.str();
+}
+
+}  // namespace pgd::core
