@@ -1,0 +1,190 @@
+// pygraph_dist._C: the torch-free core and the c10d wrapper, for Python.
+#include <torch/csrc/utils/pybind.h>
+#include <torch/extension.h>
+
+#include <pybind11/stl.h>
+
+#include "bucket_plan.h"
+#include "capture_fingerprint.h"
+#include "capture_policy.h"
+#include "graph_safe_backend.h"
+#include "iteration_stats.h"
+
+namespace py = pybind11;
+using namespace pgd;
+
+namespace {
+
+py::dict record_to_dict(const core::CollectiveRecord& r) {
+  py::dict d;
+  d["kind"] = core::collective_kind_name(r.kind);
+  d["dtype"] = r.dtype_name;
+  d["numel"] = r.numel;
+  d["reduce_op"] = r.reduce_op;
+  d["root"] = r.root;
+  return d;
+}
+
+void bind_core(py::module_& m) {
+  py::class_<core::ParamSpec>(m, "ParamSpec")
+      .def(py::init([](int64_t numel, int64_t element_size, int dtype, int device,
+                       bool requires_grad) {
+             return core::ParamSpec{numel, element_size, dtype, device, requires_grad};
+           }),
+           py::arg("numel"), py::arg("element_size"), py::arg("dtype"),
+           py::arg("device"), py::arg("requires_grad") = true)
+      .def_readonly("numel", &core::ParamSpec::numel)
+      .def_readonly("element_size", &core::ParamSpec::element_size);
+
+  py::class_<core::Bucket>(m, "Bucket")
+      .def_readonly("params", &core::Bucket::params)
+      .def_readonly("offsets", &core::Bucket::offsets)
+      .def_readonly("numel", &core::Bucket::numel)
+      .def_readonly("bytes", &core::Bucket::bytes)
+      .def_readonly("dtype", &core::Bucket::dtype)
+      .def_readonly("device", &core::Bucket::device);
+
+  py::class_<core::BucketPlan>(m, "BucketPlan")
+      .def_readonly("buckets", &core::BucketPlan::buckets)
+      .def_readonly("bucket_of_param", &core::BucketPlan::bucket_of_param)
+      .def_readonly("offset_of_param", &core::BucketPlan::offset_of_param)
+      .def("describe", &core::BucketPlan::describe);
+
+  m.def("plan_buckets", &core::plan_buckets, py::arg("params"),
+        py::arg("bucket_cap_bytes"), py::arg("first_bucket_cap_bytes"),
+        "Assign parameters to gradient buckets (reverse order, per dtype/device).");
+
+  py::class_<core::CaptureFingerprint>(m, "CaptureFingerprint")
+      .def(py::init<>())
+      .def_property_readonly("digest", &core::CaptureFingerprint::digest)
+      .def("__len__", &core::CaptureFingerprint::size)
+      .def("describe", &core::CaptureFingerprint::describe, py::arg("max_records") = 8)
+      .def("records", [](const core::CaptureFingerprint& f) {
+        py::list out;
+        for (const auto& r : f.records()) {
+          out.append(record_to_dict(r));
+        }
+        return out;
+      })
+      .def_static("first_difference", &core::CaptureFingerprint::first_difference);
+
+  py::class_<core::Summary>(m, "Summary")
+      .def_readonly("count", &core::Summary::count)
+      .def_readonly("mean", &core::Summary::mean)
+      .def_readonly("stdev", &core::Summary::stdev)
+      .def_readonly("cv", &core::Summary::cv)
+      .def_readonly("min", &core::Summary::min)
+      .def_readonly("max", &core::Summary::max)
+      .def_readonly("p50", &core::Summary::p50)
+      .def_readonly("p95", &core::Summary::p95)
+      .def_readonly("p99", &core::Summary::p99)
+      .def("describe", &core::Summary::describe, py::arg("unit") = "ms")
+      .def("as_dict", [](const core::Summary& s) {
+        py::dict d;
+        d["count"] = s.count;
+        d["mean"] = s.mean;
+        d["stdev"] = s.stdev;
+        d["cv"] = s.cv;
+        d["min"] = s.min;
+        d["max"] = s.max;
+        d["p50"] = s.p50;
+        d["p95"] = s.p95;
+        d["p99"] = s.p99;
+        return d;
+      });
+
+  py::class_<core::CrossRankSummary>(m, "CrossRankSummary")
+      .def_readonly("ranks", &core::CrossRankSummary::ranks)
+      .def_readonly("iterations", &core::CrossRankSummary::iterations)
+      .def_readonly("iteration_max", &core::CrossRankSummary::iteration_max)
+      .def_readonly("iteration_skew", &core::CrossRankSummary::iteration_skew)
+      .def_readonly("max_over_ranks", &core::CrossRankSummary::max_over_ranks)
+      .def_readonly("skew", &core::CrossRankSummary::skew)
+      .def_readonly("straggler_wait_mean", &core::CrossRankSummary::straggler_wait_mean);
+
+  m.def("percentile", &core::percentile, py::arg("samples"), py::arg("q"));
+  m.def("summarize", &core::summarize, py::arg("samples"));
+  m.def("summarize_across_ranks", &core::summarize_across_ranks, py::arg("per_rank"));
+
+  py::enum_<core::Phase>(m, "Phase")
+      .value("PROBE", core::Phase::kProbe)
+      .value("WARMUP", core::Phase::kWarmup)
+      .value("CAPTURE", core::Phase::kCapture)
+      .value("REPLAY", core::Phase::kReplay)
+      .value("EAGER", core::Phase::kEager);
+  m.def("phase_name", &core::phase_name);
+
+  py::class_<core::PolicyConfig>(m, "PolicyConfig")
+      .def(py::init([](int probe, int warmup, int attempts, int recaptures) {
+             core::PolicyConfig c;
+             c.probe_iters = probe;
+             c.warmup_iters = warmup;
+             c.max_capture_attempts = attempts;
+             c.max_recaptures = recaptures;
+             return c;
+           }),
+           py::arg("probe_iters") = 1, py::arg("warmup_iters") = 3,
+           py::arg("max_capture_attempts") = 2, py::arg("max_recaptures") = 8)
+      .def_readonly("probe_iters", &core::PolicyConfig::probe_iters)
+      .def_readonly("warmup_iters", &core::PolicyConfig::warmup_iters)
+      .def_readonly("max_capture_attempts", &core::PolicyConfig::max_capture_attempts)
+      .def_readonly("max_recaptures", &core::PolicyConfig::max_recaptures);
+
+  py::class_<core::CapturePolicy>(m, "CapturePolicy")
+      .def(py::init<const core::PolicyConfig&>(), py::arg("config"))
+      .def("begin_iteration", &core::CapturePolicy::begin_iteration)
+      .def_property_readonly("phase", &core::CapturePolicy::phase)
+      .def_property_readonly("reason", &core::CapturePolicy::reason)
+      .def_property_readonly("capture_attempts", &core::CapturePolicy::capture_attempts)
+      .def_property_readonly("recaptures", &core::CapturePolicy::recaptures)
+      .def_property_readonly("iterations", &core::CapturePolicy::iterations)
+      .def_property_readonly("replays", &core::CapturePolicy::replays)
+      .def_property_readonly("eager_iterations", &core::CapturePolicy::eager_iterations)
+      .def("capture_succeeded", &core::CapturePolicy::capture_succeeded)
+      .def("capture_failed", &core::CapturePolicy::capture_failed,
+           py::arg("reason"), py::arg("retryable"))
+      .def("conformance_failed", &core::CapturePolicy::conformance_failed)
+      .def("invalidate", &core::CapturePolicy::invalidate)
+      .def("reject", &core::CapturePolicy::reject)
+      .def("disable", &core::CapturePolicy::disable);
+}
+
+void bind_backend(py::module_& m) {
+  // The base class c10d::Backend is registered by torch.distributed; it must
+  // be imported first so that pybind11 can find it.
+  py::module_::import("torch.distributed");
+  py::class_<GraphSafeBackend, c10d::Backend, c10::intrusive_ptr<GraphSafeBackend>>(
+      m, "GraphSafeBackend",
+      "A c10d Backend that forwards to `inner` and makes its collectives safe "
+      "to capture into CUDA graphs (see csrc/graph_safe_backend.h).")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& inner,
+                       const std::string& device_type) {
+             return c10::make_intrusive<GraphSafeBackend>(inner, device_type);
+           }),
+           py::arg("inner"), py::arg("device_type"))
+      .def_property_readonly("inner", &GraphSafeBackend::inner)
+      .def_property_readonly("device_type", &GraphSafeBackend::device_type)
+      .def("start_recording", &GraphSafeBackend::start_recording)
+      .def("stop_recording", &GraphSafeBackend::stop_recording)
+      .def_property_readonly("recording", &GraphSafeBackend::recording)
+      .def_property_readonly("collectives_issued", &GraphSafeBackend::collectives_issued)
+      .def_property_readonly("collectives_captured", &GraphSafeBackend::collectives_captured);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pygraph_dist native core: bucket planning, capture fingerprints, "
+            "iteration statistics, the capture policy, and the graph-safe c10d backend.";
+  m.attr("__torch_version__") = PGD_TORCH_VERSION;
+#ifdef PGD_WITH_CUDA
+  m.attr("cuda_enabled") = true;
+#else
+  m.attr("cuda_enabled") = false;
+#endif
+  m.attr("not_capturable_tag") = kNotCapturableTag;
+  m.def("current_stream_is_capturing", &current_stream_is_capturing,
+        "True when this thread's current CUDA stream is capturing.");
+  bind_core(m);
+  bind_backend(m);
+}
