@@ -1,0 +1,145 @@
+"""pygraph_dist: whole training iterations of data-parallel PyTorch as CUDA graphs.
+
+    import pygraph_dist as pgd
+    pgd.init()                                   # torchrun, mpirun or srun
+    model, optimizer = pgd.wrap(model.cuda(), optimizer, amp="bf16")
+    for x, y in loader:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+    print(pgd.report())
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch  # noqa: F401 - loads libtorch before the extension
+
+from ._ext import C as _C
+from ._ext import graphs_available
+from .backend import graph_safe_backend
+from .engine import Engine, LoopConformanceError, WrapConfig, teardown_all
+from .launch_env import LaunchEnvironment, LaunchError, detect, init
+from .report import Report, model_report
+
+__all__ = [
+    "GraphedModule",
+    "LaunchEnvironment",
+    "LaunchError",
+    "LoopConformanceError",
+    "Report",
+    "detect",
+    "graph_safe_backend",
+    "graphs_available",
+    "init",
+    "report",
+    "shutdown",
+    "wrap",
+]
+__version__ = "0.1.0"
+
+logging.getLogger("pygraph_dist").addHandler(logging.NullHandler())
+
+
+class GraphedModule(torch.nn.Module):
+    """The wrapped model. Calling it runs one training iteration and returns the loss.
+
+    The returned loss is a fresh tensor each iteration (it does not alias the
+    graph's static output). ``.module`` is the original module; its
+    ``state_dict`` keys carry the ``module.`` prefix, as with DDP.
+    """
+
+    def __init__(self, module: torch.nn.Module, engine: Engine) -> None:
+        super().__init__()
+        self.module = module
+        object.__setattr__(self, "_engine", engine)
+
+    def forward(self, *args, **kwargs):
+        return self._engine.run(args, kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine.optimizer_zero_grad(set_to_none)
+
+    def static_inputs(self):
+        """The (args, kwargs) buffers the most recently captured graph reads, or None.
+
+        Writing the next batch into them (``copy_``) and passing them to the
+        model call saves the staging copy."""
+        for entry in reversed(self._engine.entries.values()):
+            if entry.graph is not None:
+                return entry.static
+        return None
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+
+def wrap(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    loss_fn=None,
+    amp: str | torch.dtype | None = None,
+    bucket_cap_mb: float = 25.0,
+    warmup: int = 3,
+    probe: int = 2,
+    graphs: bool = True,
+    max_grad_norm: float | None = None,
+    max_graphs: int = 8,
+    graph_memory_mb: float | None = None,
+    broadcast_buffers: bool = True,
+    replay_timeout: float | None = None,
+    process_group=None,
+    monitor: bool = True,
+) -> tuple[GraphedModule, torch.optim.Optimizer]:
+    """Wrap a model and its optimizer for graphed data-parallel training.
+
+    Args:
+        loss_fn: if given, the model is called as ``model(*inputs, target)`` and
+            returns ``loss_fn(module(*inputs), target)``; otherwise the module
+            itself must return the loss (or an object with ``.loss``).
+        amp: ``None`` (fp32), ``"bf16"`` or ``"fp16"`` (with a device-side GradScaler).
+        bucket_cap_mb: gradient bucket size for the all-reduce.
+        warmup: eager iterations on the capture stream before each capture.
+        probe: iterations that run the loop as written while it is checked.
+        graphs: ``False`` keeps the engine (reducer, AMP, checks) but never captures.
+        max_grad_norm: clip the global gradient norm inside the iteration.
+        max_graphs / graph_memory_mb: bounds of the per-input-shape graph cache.
+        broadcast_buffers: rank 0's buffers at every forward, like DDP.
+        replay_timeout: seconds before a stuck replay ends the process (0 = off;
+            default: the process group's timeout).
+
+    Returns ``(GraphedModule, optimizer)``; the optimizer is the same object,
+    made capturable and routed through the engine.
+    """
+    config = WrapConfig(
+        loss_fn=loss_fn, amp=amp, bucket_cap_mb=bucket_cap_mb, warmup=warmup, probe=probe,
+        graphs=graphs, max_grad_norm=max_grad_norm, max_graphs=max_graphs,
+        graph_memory_mb=graph_memory_mb, broadcast_buffers=broadcast_buffers,
+        replay_timeout=replay_timeout, monitor=monitor,
+    )
+    engine = Engine(model, optimizer, config, process_group)
+    return GraphedModule(model, engine), optimizer
+
+
+def report(print_report: bool = False) -> Report:
+    """What was graphed, for which input shapes, with timings, memory and every fallback."""
+    from .engine import _LIVE
+
+    engines = sorted(_LIVE, key=id)
+    r = Report([model_report(e) for e in engines])
+    if print_report:
+        print(r)
+    return r
+
+
+def shutdown() -> None:
+    """Release every graph, then destroy the default process group."""
+    import torch.distributed as dist
+
+    teardown_all()
+    if dist.is_initialized():
+        dist.destroy_process_group()
