@@ -1,0 +1,189 @@
+"""Watching the user's code between the model call and ``optimizer.step()``.
+
+A graph replays what the engine captured: forward and loss, ``backward()`` of
+that loss, the gradient all-reduce, clipping if configured, and the optimizer
+step. Whatever the user's loop does *between* the model call and the step, in
+their own code, is not in the graph. Most of it is harmless (logging, reading
+the loss); some of it would make graphed training silently different from
+eager training:
+
+* ``backward()`` on something other than the returned loss — ``loss / k``, a
+  sum with an auxiliary loss, ``scaler.scale(loss)``: the graph would apply
+  the model's own gradient, not the user's;
+* writing to parameters, gradients, optimizer state or the learning rate
+  between the model call and the step — ``clip_grad_norm_``, a manual
+  ``p.grad.mul_()``: the graph already stepped with the unmodified values;
+* a second forward or a missing ``zero_grad()`` (gradient accumulation).
+
+:class:`LoopMonitor` is a ``TorchFunctionMode`` pushed when the model call
+returns and popped by ``optimizer.step()``. It sees every torch call the user
+makes in that window (modes are thread-local and suspended while their own
+handler runs, so the engine's and autograd's internal calls are not seen).
+During probe iterations the user's code runs normally and violations are
+collected, agreed across ranks, and turn graphs off with a message that says
+what to move where. After capture, a violation cannot be undone (the step
+already ran), so it raises.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+_INPLACE_DUNDERS = {
+    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+    "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+    "__set__",
+}
+
+
+def user_location() -> str:
+    """``file:line`` of the innermost frame outside torch and pygraph_dist."""
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        path = os.path.abspath(frame.filename)
+        if not (path.startswith(_PKG_DIR) or path.startswith(_TORCH_DIR)):
+            return f"{os.path.relpath(path)}:{frame.lineno}"
+    return "<unknown>"
+
+
+@dataclass(frozen=True)
+class Violation:
+    what: str
+    where: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.what} at {self.where}. {self.fix}"
+
+
+def _func_name(func) -> str:
+    return getattr(func, "__name__", "") or ""
+
+
+def _is_mutating(name: str, kwargs: dict) -> bool:
+    if kwargs.get("out") is not None:
+        return True
+    if name in _INPLACE_DUNDERS:
+        return True
+    return name.endswith("_") and not name.startswith("__")
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+
+
+class LoopMonitor(TorchFunctionMode):
+    """See the module docstring. ``engine`` provides:
+
+    * ``monitor_backward(tensor, kwargs) -> bool``: whether this backward call
+      is the expected one (the engine decides whether to run it);
+    * ``owned_storages() -> set[int]``: storage pointers of parameters,
+      gradients, optimizer state and learning-rate tensors.
+    """
+
+    def __init__(self, engine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.active = False
+        self.window = ""
+        self.violations: list[Violation] = []
+        self._owned: set[int] | None = None
+
+    # -------------------------------------------------------------- control
+    def start(self, window: str) -> None:
+        self.window = window
+        self._owned = None
+        if not self.active:
+            self.__enter__()
+            self.active = True
+
+    def set_window(self, window: str) -> None:
+        self.window = window
+
+    def stop(self) -> list[Violation]:
+        """Pop the mode (if it is on top) and hand back what was seen."""
+        if self.active:
+            n = torch._C._len_torch_function_stack()
+            if n and torch._C._get_function_stack_at(n - 1) is self:
+                self.__exit__(None, None, None)
+            else:
+                # Someone pushed a mode on top of ours and left it there; popping
+                # now would pop theirs. Leave ours in place, inert.
+                self.violations.append(Violation(
+                    "another TorchFunctionMode was entered between the model call and "
+                    "optimizer.step() and not exited",
+                    user_location(),
+                    "Exit it before optimizer.step().",
+                ))
+            self.active = False
+        out, self.violations = self.violations, []
+        return out
+
+    def record(self, what: str, fix: str) -> None:
+        self.violations.append(Violation(what, user_location(), fix))
+
+    # ---------------------------------------------------------------- mode
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.active:
+            return func(*args, **kwargs)
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
+            target = args[0] if args else kwargs.get("tensors")
+            if self.engine.monitor_backward(target, func, kwargs):
+                return func(*args, **kwargs)
+            return None
+        if func is torch.autograd.grad:
+            self.record(
+                "torch.autograd.grad() between the model call and optimizer.step()",
+                "The graph applies loss.backward() of the returned loss only; compute extra "
+                "gradients outside the training step, or train this model without graphs.",
+            )
+            return func(*args, **kwargs)
+        name = _func_name(func)
+        if _is_mutating(name, kwargs):
+            targets = list(_tensors(args[:1])) + list(_tensors(kwargs.get("out")))
+            owned = self._owned_storages()
+            for t in targets:
+                if _storage_ptr(t) in owned:
+                    self.record(
+                        f"{name}() modifies a parameter, gradient, optimizer state or learning "
+                        f"rate {self.window}",
+                        self._fix_for(name),
+                    )
+                    break
+        return func(*args, **kwargs)
+
+    def _owned_storages(self) -> set[int]:
+        if self._owned is None:
+            self._owned = self.engine.owned_storages()
+        return self._owned
+
+    def _fix_for(self, name: str) -> str:
+        if "mul" in name or "clamp" in name or "div" in name:
+            return (
+                "A graph would step before this runs. For gradient clipping pass "
+                "max_grad_norm=... to pygraph_dist.wrap(); move other gradient changes into "
+                "the model's forward/loss, or after optimizer.step()."
+            )
+        return (
+            "A graph would step before this runs. Move it after optimizer.step() (parameter "
+            "and learning-rate updates are read by the next replay), or into the model."
+        )
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return -1

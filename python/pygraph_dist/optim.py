@@ -1,0 +1,238 @@
+"""Making the user's optimizer capturable, and graph-aware, in place.
+
+``wrap()`` returns the *same* optimizer object with its class swapped for a
+subclass that mixes in :class:`GraphedOptimizerMixin` (the technique
+``torch.nn.utils.parametrize`` uses for modules, and Lightning for
+optimizers). Everything that holds the optimizer — LR schedulers, checkpoint
+code, ``isinstance`` checks — keeps working, and ``step()``/``zero_grad()``
+route through the engine.
+
+What "capturable" needs, on torch 2.11 (reference notes §2.3–2.4):
+  * Adam/AdamW: ``capturable=True`` (``fused=True`` alone fails capture on
+    2.11); the step counter lives on the device; the learning rate becomes a
+    one-element device tensor so that schedulers update it in place
+    (``lr_scheduler._update_param_group_val`` fills tensors) and replays see
+    the new value.
+  * fp16: GradScaler only avoids a host sync with optimizers that take the
+    scale on the device (``_step_supports_amp_scaling``: fused Adam, AdamW,
+    SGD), so fp16 turns ``fused=True`` on.
+  * SGD has no ``capturable`` option and its foreach path turns a tensor lr
+    into a host scalar, so its lr stays a float baked into the graph: a
+    change of lr makes the engine capture again.
+The same changes apply whether or not graphs end up being used, so that eager
+and graphed training run the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from .amp import AmpConfig
+
+logger = logging.getLogger("pygraph_dist")
+
+_TENSOR_LR = (torch.optim.Adam, torch.optim.AdamW)
+_FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+@dataclass
+class OptimizerPlan:
+    graphable: bool
+    reason: str = ""
+    changes: list[str] = field(default_factory=list)
+    # Per param group: the device tensor that holds its lr, or None (float lr).
+    lr_tensors: list[torch.Tensor | None] = field(default_factory=list)
+
+
+def prepare_optimizer(
+    opt: torch.optim.Optimizer, *, device: torch.device, amp: AmpConfig
+) -> OptimizerPlan:
+    """Reconfigure ``opt`` for capture on ``device``; say what changed and why not if it cannot be."""
+    plan = OptimizerPlan(graphable=True)
+    cls = type(opt)
+    name = cls.__name__
+    if device.type != "cuda":
+        plan.graphable = False
+        plan.reason = "parameters are not on a CUDA device"
+        plan.lr_tensors = [None] * len(opt.param_groups)
+        return plan
+
+    if isinstance(opt, _TENSOR_LR) or "capturable" in opt.defaults:
+        for g in opt.param_groups:
+            if g.get("differentiable"):
+                return _not_graphable(plan, opt, f"{name}(differentiable=True) cannot be captured")
+            if not g.get("capturable", False):
+                g["capturable"] = True
+                _note(plan, "capturable=True")
+    elif not isinstance(opt, torch.optim.SGD):
+        return _not_graphable(
+            plan, opt,
+            f"{name} is not known to be capturable: graphs support Adam, AdamW, SGD and torch "
+            "optimizers with a `capturable` option. Training runs eagerly.",
+        )
+
+    if amp.needs_grad_scaler:
+        if not isinstance(opt, _FUSABLE):
+            return _not_graphable(
+                plan, opt,
+                f"fp16 loss scaling inside a graph needs an optimizer that takes the scale on the "
+                f"device (fused Adam, AdamW or SGD); {name} does not. Use amp='bf16', or one of those.",
+            )
+        for g in opt.param_groups:
+            if not g.get("fused"):
+                g["fused"] = True
+                g["foreach"] = None
+                _note(plan, "fused=True (fp16 loss scaling without a host sync)")
+        opt._step_supports_amp_scaling = True  # what fused=True sets in __init__
+
+    for g in opt.param_groups:
+        lr = g["lr"]
+        if isinstance(opt, _TENSOR_LR):
+            if not isinstance(lr, torch.Tensor):
+                # Schedulers created later take their base lr from initial_lr: keep it a float.
+                g.setdefault("initial_lr", float(lr))
+                g["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
+                _note(plan, "lr as a device tensor (scheduler updates reach the graph)")
+            elif lr.device != device:
+                g["lr"] = lr.to(device)
+            plan.lr_tensors.append(g["lr"])
+        else:
+            plan.lr_tensors.append(None)
+
+    # Existing state (a loaded checkpoint, earlier eager steps) must live where
+    # capturable/fused kernels expect it: the step counter on the device, float32.
+    for p, state in opt.state.items():
+        step = state.get("step") if isinstance(state, dict) else None
+        if isinstance(step, torch.Tensor) and step.device != p.device:
+            state["step"] = step.to(device=p.device, dtype=torch.float32)
+        elif step is not None and not isinstance(step, torch.Tensor):
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device)
+    return plan
+
+
+def _note(plan: OptimizerPlan, change: str) -> None:
+    if change not in plan.changes:
+        plan.changes.append(change)
+
+
+def _not_graphable(plan: OptimizerPlan, opt, reason: str) -> OptimizerPlan:
+    plan.graphable = False
+    plan.reason = reason
+    plan.lr_tensors = [None] * len(opt.param_groups)
+    return plan
+
+
+# ---------------------------------------------------------------------------
+# Hyperparameters baked into a graph.
+
+
+def snapshot_hyperparams(opt: torch.optim.Optimizer) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def hyperparams_drift(
+    opt: torch.optim.Optimizer, snapshot: list[dict], lr_tensors: list[torch.Tensor | None]
+) -> str | None:
+    """What changed since ``snapshot`` that a replay would not see, or None.
+
+    A float assigned to a tensor-lr group (``group["lr"] = 1e-4``) is written
+    into the device tensor instead, which the graph reads: not a change.
+    """
+    groups = opt.param_groups
+    if len(groups) != len(snapshot):
+        return f"the optimizer now has {len(groups)} param groups instead of {len(snapshot)}"
+    for i, (g, snap) in enumerate(zip(groups, snapshot)):
+        for k, v in snap.items():
+            cur = g.get(k)
+            if cur is v:
+                continue
+            if k == "lr" and lr_tensors[i] is not None and isinstance(cur, (int, float)):
+                lr_tensors[i].fill_(float(cur))
+                g["lr"] = lr_tensors[i]
+                continue
+            if isinstance(v, torch.Tensor) or isinstance(cur, torch.Tensor):
+                return f"param group {i}: '{k}' was replaced by another object"
+            if cur != v:
+                return f"param group {i}: '{k}' changed from {v!r} to {cur!r}"
+    return None
+
+
+# ---------------------------------------------------------------------------
+
+
+class GraphedOptimizerMixin:
+    """Routes ``step``/``zero_grad`` of a wrapped optimizer through the engine.
+
+    ``optimizer.step()`` in a graphed iteration does nothing: the step already
+    ran inside the graph launched by the model call. Checkpoints:
+    ``state_dict()`` stores plain float learning rates and the GradScaler
+    state; ``load_state_dict()`` makes the engine capture again, because the
+    loaded state tensors are new objects at new addresses.
+    """
+
+    def step(self, closure=None):
+        engine = self.__dict__.get("_pgd_engine")
+        if engine is None or engine.delegating_step:
+            return super().step(closure)  # type: ignore[misc]
+        return engine.optimizer_step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        engine = self.__dict__.get("_pgd_engine")
+        if engine is None:
+            return super().zero_grad(set_to_none)  # type: ignore[misc]
+        engine.optimizer_zero_grad(set_to_none)
+
+    def state_dict(self):
+        sd = super().state_dict()  # type: ignore[misc]
+        engine = self.__dict__.get("_pgd_engine")
+        for g in sd["param_groups"]:
+            if isinstance(g.get("lr"), torch.Tensor):
+                g["lr"] = float(g["lr"].item())
+        if engine is not None and engine.grad_scaler is not None:
+            sd["pygraph_dist"] = {"grad_scaler": engine.grad_scaler.state_dict()}
+        return sd
+
+    def load_state_dict(self, state_dict) -> None:
+        extra = state_dict.get("pygraph_dist") if isinstance(state_dict, dict) else None
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        engine = self.__dict__.get("_pgd_engine")
+        if engine is not None:
+            engine.on_optimizer_state_loaded(extra)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def make_graph_aware(opt: torch.optim.Optimizer, engine) -> torch.optim.Optimizer:
+    """Swap ``opt``'s class for its graph-aware subclass and attach ``engine``."""
+    cls = type(opt)
+    if not issubclass(cls, GraphedOptimizerMixin):
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"Graphed{cls.__name__}", (GraphedOptimizerMixin, cls), {})
+        opt.__class__ = _CLASSES[cls]
+    opt.__dict__["_pgd_engine"] = engine
+    _repatch_scheduler_step(opt)
+    return opt
+
+
+def _repatch_scheduler_step(opt: torch.optim.Optimizer) -> None:
+    """An LR scheduler created before wrap() put an instance-level ``step`` on the
+    optimizer that calls the *original* class's step directly (torch's
+    ``LRScheduler.__init__``: ``patch_track_step_called``). Left alone, every
+    ``optimizer.step()`` would bypass the engine and step a second time."""
+    patched = opt.__dict__.get("step")
+    if patched is None or not getattr(patched, "_wrapped_by_lr_sched", False):
+        return
+    ref = weakref.ref(opt)
+
+    def step(*args, **kwargs):
+        o = ref()
+        o._opt_called = True  # what the scheduler's wrapper records
+        return type(o).step(o, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.__dict__["step"] = step
