@@ -1,0 +1,127 @@
+"""Shared fixtures: multi-rank launches with timeouts, and GPU markers that skip cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).with_name("workers.py")
+
+# Never let a test touch NVLink multicast (see the device notes); inherited by every child.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    n = cuda_count()
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_multi = pytest.mark.skip(reason=f"needs 2 CUDA GPUs, {n} visible")
+    for item in items:
+        if "multigpu" in item.keywords and n < 2:
+            item.add_marker(skip_multi)
+        elif "gpu" in item.keywords and n < 1:
+            item.add_marker(skip_gpu)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def run_ranks(
+    case: str,
+    tmp_path: Path,
+    *,
+    world_size: int = 2,
+    timeout: float = 120,
+    args: list[str] | None = None,
+    env: dict | None = None,
+    expect_success: bool = True,
+) -> list[dict]:
+    """Run ``workers.py <case>`` as ``world_size`` ranks (torchrun-style environment).
+
+    Every rank must finish within ``timeout`` seconds or all are killed and the
+    test fails with their output. Returns each rank's JSON result (or, with
+    ``expect_success=False``, dicts with returncode and output).
+    """
+    port = free_port()
+    out_dir = tmp_path / f"{case}-{port}"
+    out_dir.mkdir(parents=True)
+    procs = []
+    for rank in range(world_size):
+        child_env = dict(os.environ)
+        for k in list(child_env):
+            if k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELASTIC_")):
+                child_env.pop(k)
+        child_env.update(NO_MULTICAST)
+        child_env.update({
+            "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT / "tests" / "python") + os.pathsep + child_env.get("PYTHONPATH", ""),
+        })
+        if env:
+            child_env.update(env)
+        log = open(out_dir / f"rank{rank}.log", "w")
+        procs.append((subprocess.Popen(
+            [sys.executable, str(WORKERS), case, "--out", str(out_dir), *(args or [])],
+            env=child_env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
+        ), log))
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    for p, _ in procs:
+        remaining = deadline - time.monotonic()
+        try:
+            p.wait(timeout=max(0.1, remaining))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            break
+    if timed_out:
+        for p, _ in procs:
+            p.kill()
+        for p, _ in procs:
+            p.wait()
+    for _, log in procs:
+        log.close()
+    logs = [(out_dir / f"rank{r}.log").read_text() for r in range(world_size)]
+    if timed_out:
+        raise RankFailure(f"{case}: ranks did not finish within {timeout} s\n" + _fmt(logs))
+    if not expect_success:
+        return [{"returncode": p.returncode, "output": logs[r]} for r, (p, _) in enumerate(procs)]
+    bad = [r for r, (p, _) in enumerate(procs) if p.returncode != 0]
+    if bad:
+        raise RankFailure(f"{case}: rank(s) {bad} failed\n" + _fmt(logs))
+    results = []
+    for r in range(world_size):
+        results.append(json.loads((out_dir / f"rank{r}.json").read_text()))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return results
+
+
+def _fmt(logs: list[str]) -> str:
+    return "\n".join(f"----- rank {r} -----\n{log[-6000:]}" for r, log in enumerate(logs))
+
+
+@pytest.fixture
+def ranks(tmp_path):
+    def run(case: str, **kwargs):
+        return run_ranks(case, tmp_path, **kwargs)
+    return run

@@ -1,0 +1,155 @@
+"""Launch environments: what init() reads, and how bad environments fail (fast, clearly)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import NO_MULTICAST, ROOT, WORKERS, free_port, run_ranks
+from pygraph_dist.launch_env import LaunchError, detect, first_slurm_host
+
+
+def test_torchrun_environment():
+    e = detect({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "n0", "MASTER_PORT": "1234", "TORCHELASTIC_RUN_ID": "x"})
+    assert (e.launcher, e.rank, e.world_size, e.local_rank, e.local_world_size) == ("torchrun", 1, 4, 1, 2)
+    assert (e.master_addr, e.master_port) == ("n0", 1234)
+
+
+@pytest.mark.parametrize("env,missing", [
+    ({"RANK": "0"}, "WORLD_SIZE, LOCAL_RANK"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "LOCAL_RANK"),
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "RANK"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "MASTER_ADDR, MASTER_PORT"),
+    ({"OMPI_COMM_WORLD_RANK": "0"}, "OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "SLURM_LOCALID"),
+])
+def test_incomplete_environment_names_the_missing_variable(env, missing):
+    with pytest.raises(LaunchError) as info:
+        detect(env)
+    assert missing in str(info.value)
+
+
+def test_pmi_without_local_rank():
+    with pytest.raises(LaunchError, match="MPI_LOCALRANKID"):
+        detect({"PMI_RANK": "0", "PMI_SIZE": "2"})
+
+
+def test_stacked_launchers_disagree():
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "a", "MASTER_PORT": "1",
+           "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}
+    with pytest.raises(LaunchError, match="two launchers"):
+        detect(env)
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "outside"),
+    ({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "not an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "0", "LOCAL_RANK": "0"}, ">= 1"),
+])
+def test_invalid_values(env, match):
+    with pytest.raises(LaunchError, match=match):
+        detect(env)
+
+
+def test_mpi_and_slurm_environments():
+    o = detect({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"})
+    assert (o.launcher, o.rank, o.world_size, o.local_rank) == ("openmpi", 3, 4, 1)  # MPI beats Slurm
+    m = detect({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"})
+    assert (m.launcher, m.rank, m.local_rank, m.single_host) == ("mpich", 1, 1, True)
+    s = detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                "SLURM_NODELIST": "gpu[03-05,9],cpu1", "SLURM_JOB_ID": "123456"})
+    assert (s.launcher, s.rank, s.master_addr, s.master_port) == ("slurm", 5, "gpu03", 15000 + 3456)
+    assert detect({}).launcher == "single"
+
+
+@pytest.mark.parametrize("nodelist,first", [("n1", "n1"), ("a[1-3]", "a1"), ("gpu[007,9]", "gpu007"),
+                                             ("x,y", "x")])
+def test_first_slurm_host(nodelist, first):
+    assert first_slurm_host(nodelist) == first
+
+
+def _single(tmp_path, env: dict, timeout: float = 60) -> tuple[int, str, float]:
+    """One rank of a world, alone: it must fail on its own within the timeout."""
+    import os
+
+    child = {k: v for k, v in os.environ.items()
+             if not k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                  "MASTER_", "TORCHELASTIC"))}
+    child.update(NO_MULTICAST)
+    child.update(env)
+    child["PYTHONPATH"] = str(ROOT / "tests" / "python")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, str(WORKERS), "init_only", "--out", str(tmp_path),
+                        "--rendezvous-timeout", "3"], env=child, capture_output=True, text=True,
+                       timeout=timeout, cwd=str(ROOT))
+    return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
+
+
+def test_unreachable_master_fails_within_bounded_time(tmp_path):
+    # TEST-NET-1 (RFC 5737): routable nowhere, so the connection can only time out.
+    code, out, took = _single(tmp_path, {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                                         "MASTER_ADDR": "192.0.2.1", "MASTER_PORT": str(free_port())})
+    assert code == 3, out
+    assert "could not rendezvous at MASTER_ADDR=192.0.2.1" in out
+    assert took < 45, f"took {took:.0f} s"
+
+
+def test_unresolvable_master_fails_fast(tmp_path):
+    code, out, took = _single(tmp_path, {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                                         "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29511"})
+    assert code == 3, out
+    assert "no-such-host.invalid" in out
+    assert took < 45
+
+
+def test_rank_without_world_size_fails_clearly(tmp_path):
+    code, out, _ = _single(tmp_path, {"RANK": "0"})
+    assert code != 0
+    assert "WORLD_SIZE" in out and "LaunchError" in out
+
+
+@pytest.mark.mpi
+def test_mpi4py_linked_to_another_mpi(tmp_path):
+    """An MPICH-style launch (PMI_* variables) of a process whose mpi4py is Open MPI's:
+    mpi4py comes up as a singleton. init() must refuse instead of training as rank 0 of 1."""
+    pytest.importorskip("mpi4py")
+    code, out, took = _single(tmp_path, {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"})
+    assert code == 3, out
+    assert "mpi4py is linked to a different MPI" in out
+    assert took < 45
+
+
+@pytest.mark.mpi
+def test_mpirun_two_ranks(tmp_path):
+    """A real `mpirun -np 2` with no MASTER_ADDR: rendezvous through mpi4py's broadcast."""
+    pytest.importorskip("mpi4py")
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun not installed")
+    import json
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env.update(NO_MULTICAST)
+    env["PYTHONPATH"] = str(ROOT / "tests" / "python")
+    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2",
+           "-x", "PYTHONPATH", sys.executable, str(WORKERS), "init_only", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert p.returncode == 0, p.stdout + p.stderr
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["launcher"] == "openmpi" and r["world"] == 2 for r in results)
+    assert all(r["sum"] == 3.0 for r in results)  # 1 + 2 over both ranks
+
+
+def test_torchrun_style_two_ranks(tmp_path):
+    results = run_ranks("init_only", tmp_path, timeout=60)
+    assert [r["sum"] for r in results] == [3.0, 3.0]
+    assert {r["launcher"] for r in results} == {"env"}

@@ -1,0 +1,547 @@
+"""Per-rank test cases, run as separate processes by conftest.run_ranks.
+
+    python tests/python/workers.py <case> --out DIR [case args]
+
+Each case returns a JSON-able dict, written to DIR/rank<R>.json; the pytest
+side asserts on it. Cases that exercise failures print what they saw and
+exit non-zero instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pygraph_dist as pgd
+from pygraph_dist import agreement
+from pygraph_dist.engine import _explain_mismatch
+from pygraph_dist.reducer import GradientReducer
+
+CASES = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+# ----------------------------------------------------------------- helpers
+class MLP(nn.Module):
+    def __init__(self, width=32, depth=3, classes=5, dropout=0.0):
+        super().__init__()
+        layers = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width)]
+            if dropout:
+                layers.append(nn.Dropout(dropout))
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Linear(width, classes)
+        self.sync_on_capture_rank = -1  # test hook: a host sync only while capturing
+
+    def forward(self, x, y):
+        h = self.body(x)
+        if self.sync_on_capture_rank == dist.get_rank() and torch.cuda.is_current_stream_capturing():
+            h = h + 0 * h.sum().item()
+        return nn.functional.cross_entropy(self.head(h), y)
+
+
+def data(step, rank, batch=16, width=32, classes=5, device="cpu"):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(batch, width, generator=g)
+    y = torch.randint(0, classes, (batch,), generator=g)
+    return x.to(device), y.to(device)
+
+
+def flat_params(model) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()])
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+def ranks_agree(t: torch.Tensor, device) -> bool:
+    """Every rank holds bitwise the same tensor."""
+    x = t.to(device).double()
+    lo, hi = x.clone(), x.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(lo, hi))
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# ----------------------------------------------------------------- CPU cases
+@case
+def reducer_vs_ddp(args):
+    pgd.init()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ours = MLP()
+    theirs = copy.deepcopy(ours)
+    ddp = nn.parallel.DistributedDataParallel(theirs)
+    reducer = GradientReducer(list(ours.named_parameters()), None, bucket_cap_mb=0.004)
+    diffs, local_vs_reduced = [], []
+    for step in range(3):
+        x, y = data(step, rank)
+        ours.zero_grad(set_to_none=True)
+        ours(x, y).backward()
+        ddp.zero_grad(set_to_none=True)
+        ddp(x, y).backward()
+        local = copy.deepcopy(ours)
+        local.zero_grad(set_to_none=True)
+        reducer.enabled = False
+        local(x, y).backward()
+        reducer.enabled = True
+        diffs.append(max(max_diff(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters())))
+        local_vs_reduced.append(max(max_diff(a.grad, b.grad) for a, b in zip(ours.parameters(), local.parameters())))
+    grads = torch.cat([p.grad.reshape(-1) for p in ours.parameters()])
+    return {
+        "max_diff_vs_ddp": max(diffs),
+        "local_vs_reduced": min(local_vs_reduced),
+        "buckets": len(reducer.plan.buckets),
+        "ranks_agree": ranks_agree(grads, "cpu"),
+        "grad_is_bucket_view": all(
+            p.grad.data_ptr() == v.data_ptr() for p, v in zip(reducer.params, reducer.views)
+        ),
+    }
+
+
+def _train(model, optimizer, steps, rank, *, clip=None, dev="cpu", variant="plain", scheduler=None):
+    losses = []
+    for step in range(steps):
+        x, y = data(step, rank, device=dev)
+        if variant == "accumulate":
+            optimizer.zero_grad(set_to_none=True)
+            model(x[:8], y[:8]).backward()
+            loss = model(x[8:], y[8:])
+            loss.backward()
+        elif variant == "no_zero_grad":
+            loss = model(x, y)
+            loss.backward()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            loss = model(x, y)
+            if variant == "scaled":
+                (loss * 0.5).backward()
+            elif variant == "aux":
+                (loss + 0.01 * sum(p.pow(2).sum() for p in model.parameters())).backward()
+            else:
+                loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if variant == "grad_edit":
+            for p in model.parameters():
+                p.grad.mul_(0.5)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(float(loss.item()))
+    return losses
+
+
+@case
+def wrap_cpu_vs_ddp(args):
+    pgd.init()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = MLP()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, opt = pgd.wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-2))
+    ours = _train(model, opt, 8, rank)
+    theirs = _train(ref, ref_opt, 8, rank)
+    r = pgd.report().models[0]
+    return {
+        "max_param_diff": max_diff(flat_params(model.module), flat_params(ref.module)),
+        "loss_first_last": [ours[0], ours[-1]],
+        "ref_losses": theirs,
+        "losses": ours,
+        "ranks_agree": ranks_agree(flat_params(model.module), "cpu"),
+        "graphs_possible": r.graphs_possible,
+        "graphs_reason": r.graphs_reason,
+        "loop": r.loop,
+        "phases": [g.phase for g in r.graphs],
+        "report_text": str(pgd.report()),
+        "step_count": int(opt.state[next(iter(base.parameters()))]["step"]),
+        "optimizer_class": type(opt).__name__,
+        "is_adamw": isinstance(opt, torch.optim.AdamW),
+    }
+
+
+@case
+def loop_variant(args):
+    """A loop that a graph cannot represent: the probe must say so, and training
+    must stay exactly what the loop means (compared with DDP running the same loop)."""
+    variant = args.variant
+    pgd.init()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = MLP()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, opt = pgd.wrap(base, torch.optim.SGD(base.parameters(), lr=0.1))
+    clip = 0.5 if variant == "clip" else None
+    _train(model, opt, 5, rank, clip=clip, variant=variant)
+    _train(ref, ref_opt, 5, rank, clip=clip, variant=variant)
+    r = pgd.report().models[0]
+    return {
+        "loop": r.loop,
+        "phases": [g.phase for g in r.graphs],
+        "max_param_diff": max_diff(flat_params(model.module), flat_params(ref.module)),
+    }
+
+
+@case
+def scheduler_before_wrap(args):
+    pgd.init()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = MLP()
+    opt = torch.optim.Adam(base.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # before wrap
+    model, opt = pgd.wrap(base, opt)
+    _train(model, opt, 6, rank, scheduler=sched)
+    first = next(iter(base.parameters()))
+    return {
+        "adam_steps": int(opt.state[first]["step"]),
+        "engine_iterations": model.engine.iteration,
+        "lr": float(opt.param_groups[0]["lr"]),
+        "last_lr": float(sched.get_last_lr()[0]),
+        "sd_lr_type": type(opt.state_dict()["param_groups"][0]["lr"]).__name__,
+    }
+
+
+@case
+def eval_and_errors(args):
+    pgd.init()
+    torch.manual_seed(0)
+    base = MLP()
+    model, opt = pgd.wrap(base, torch.optim.SGD(base.parameters(), lr=0.1))
+    x, y = data(0, dist.get_rank())
+    model.eval()
+    with torch.no_grad():
+        eval_loss = model(x, y)
+    model.train()
+    out = {"eval_loss_is_tensor": isinstance(eval_loss, torch.Tensor),
+           "iterations_after_eval": model.engine.iteration}
+    # A module that returns logits without loss_fn gets a clear error.
+    logits_model = nn.Linear(32, 5)
+    m2, o2 = pgd.wrap(logits_model, torch.optim.SGD(logits_model.parameters(), lr=0.1))
+    try:
+        m2(x)
+        out["logits_error"] = ""
+    except TypeError as exc:
+        out["logits_error"] = str(exc)
+    # loss_fn makes it work: model(*inputs, target).
+    lin = nn.Linear(32, 5)
+    m3, o3 = pgd.wrap(lin, torch.optim.SGD(lin.parameters(), lr=0.1), loss_fn=nn.functional.cross_entropy)
+    o3.zero_grad()
+    loss = m3(x, y)
+    loss.backward()
+    o3.step()
+    out["loss_fn_loss"] = float(loss)
+    # An optimizer over parameters the model does not own is refused.
+    try:
+        pgd.wrap(nn.Linear(3, 3), torch.optim.SGD(nn.Linear(3, 3).parameters(), lr=0.1))
+        out["foreign_error"] = ""
+    except ValueError as exc:
+        out["foreign_error"] = str(exc)
+    return out
+
+
+@case
+def fingerprint(args):
+    pgd.init()
+    rank = dist.get_rank()
+    backend = pgd.graph_safe_backend(None, "cpu")
+    assert backend is not None, "init() on CPU should use the graph-safe Gloo wrapper"
+    issued0 = backend.collectives_issued
+    a = torch.ones(10)
+    b = torch.arange(5)
+    # Same collectives on both ranks; rank 1 starts recording one collective earlier.
+    if rank == 1:
+        backend.start_recording()
+    dist.all_reduce(a)
+    if rank == 0:
+        backend.start_recording()
+    dist.broadcast(b, src=0)
+    dist.all_reduce(a, op=dist.ReduceOp.MAX)
+    fp = backend.stop_recording()
+    verdict = agreement.agree(True, "", [fp.digest], group=None, device=torch.device("cpu"),
+                              details={"collectives": fp.records(), "config": ""},
+                              explain=_explain_mismatch)
+    # Now the same window on both ranks: digests agree.
+    backend.start_recording()
+    dist.all_reduce(a)
+    fp2 = backend.stop_recording()
+    verdict2 = agreement.agree(True, "", [fp2.digest], group=None, device=torch.device("cpu"))
+    dist.barrier()  # outside capture, a barrier is just forwarded
+    return {
+        "backend_name": dist.get_backend(),
+        "records": fp.records(),
+        "describe": fp.describe(),
+        "mismatch_agreed": verdict.agreed,
+        "mismatch_reason": verdict.reason,
+        "match_agreed": verdict2.agreed,
+        "issued": backend.collectives_issued - issued0,
+        "captured": backend.collectives_captured,
+    }
+
+
+@case
+def agreement_failure(args):
+    pgd.init()
+    rank = dist.get_rank()
+    v = agreement.agree(rank != 1, "boom on rank 1" if rank == 1 else "", [7], group=None,
+                        device=torch.device("cpu"))
+    v2 = agreement.agree(rank != 1, "transient", [], group=None, device=torch.device("cpu"), retryable=True)
+    return {"agreed": v.agreed, "reason": v.reason, "final": v.final, "retry_final": v2.final}
+
+
+@case
+def init_only(args):
+    t0 = time.monotonic()
+    import datetime
+
+    try:
+        env = pgd.init(rendezvous_timeout=datetime.timedelta(seconds=args.rendezvous_timeout))
+    except pgd.LaunchError as exc:
+        print(f"LaunchError after {time.monotonic() - t0:.1f}s: {exc}", flush=True)
+        sys.exit(3)
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    return {"rank": env.rank, "world": env.world_size, "launcher": env.launcher,
+            "sum": float(t), "master_addr": os.environ.get("MASTER_ADDR")}
+
+
+# ----------------------------------------------------------------- GPU cases
+def _opt(params, amp, lr):
+    return torch.optim.AdamW(params, lr=lr, fused=(amp == "fp16") or None)
+
+
+def _gpu_model(seed, dropout):
+    torch.manual_seed(seed)
+    return MLP(width=64, depth=4, dropout=dropout).to(device())
+
+
+@case
+def gpu_equivalence(args):
+    """Graphed pgd vs eager pgd (bitwise) vs torch DDP (fp32 rounding), 50 steps."""
+    amp = None if args.amp == "fp32" else args.amp
+    pgd.init()
+    rank = dist.get_rank()
+    dev = device()
+    steps = args.steps
+
+    def run_pgd(graphs):
+        torch.manual_seed(123)  # dropout masks: same RNG stream in both runs
+        base = _gpu_model(0, args.dropout)
+        model, opt = pgd.wrap(base, _opt(base.parameters(), amp, 1e-3), amp=amp, graphs=graphs)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))
+        losses = _train(model, opt, steps, rank, dev=dev, scheduler=sched)
+        return model, opt, losses
+
+    graphed, g_opt, g_losses = run_pgd(True)
+    g_report = pgd.report().models[-1]
+    eager, e_opt, e_losses = run_pgd(False)
+
+    # torch DDP with the same optimizer configuration pgd uses (capturable, tensor lr).
+    torch.manual_seed(123)
+    base = _gpu_model(0, args.dropout)
+    ddp = nn.parallel.DistributedDataParallel(base, device_ids=[dev.index])
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=torch.tensor(1e-3, device=dev), capturable=True,
+                                fused=(amp == "fp16") or None)
+    sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + 0.05 * s))
+    scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    for step in range(steps):
+        x, y = data(step, rank, device=dev)
+        ref_opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None, cache_enabled=False):
+            loss = ddp(x, y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(ref_opt)
+            scaler.update()
+        else:
+            loss.backward()
+            ref_opt.step()
+        sched.step()
+
+    pg, pe, pd = flat_params(graphed.module), flat_params(eager.module), flat_params(ddp.module)
+    g = g_report.graphs[0]
+    return {
+        "graphed_vs_eager_max_diff": max_diff(pg, pe),
+        "graphed_vs_eager_bitwise": bool(torch.equal(pg, pe)),
+        "losses_equal": g_losses == e_losses,
+        "graphed_vs_ddp_max_diff": max_diff(pg, pd),
+        "param_scale": float(pd.abs().max()),
+        "ranks_agree": ranks_agree(pg, dev),
+        "replays": g.replays,
+        "phase": g.phase,
+        "reason": g.reason,
+        "n_collectives": g.n_collectives,
+        "changes": g_report.optimizer_changes,
+        "report": str(pgd.report()),
+        "scale": float(g_opt.__dict__["_pgd_engine"].grad_scaler.get_scale()) if amp == "fp16" else None,
+    }
+
+
+@case
+def gpu_asymmetric_failure(args):
+    """Rank 1 alone fails capture; both ranks must fall back together, keep training
+    correctly (dropout included: the CUDA RNG must be usable again) and exit cleanly."""
+    pgd.init()
+    rank = dist.get_rank()
+    dev = device()
+
+    def run(graphs, sync_rank):
+        torch.manual_seed(123)
+        base = _gpu_model(0, 0.1)
+        base.sync_on_capture_rank = sync_rank
+        model, opt = pgd.wrap(base, _opt(base.parameters(), None, 1e-3), graphs=graphs)
+        losses = _train(model, opt, args.steps, rank, dev=dev)
+        return model, losses
+
+    failed, f_losses = run(True, 1)
+    r = pgd.report().models[-1]
+    ref, r_losses = run(False, -1)
+    pf, pr = flat_params(failed.module), flat_params(ref.module)
+    return {
+        "phase": r.graphs[0].phase,
+        "reason": r.graphs[0].reason,
+        "events": r.events,
+        "replays": r.graphs[0].replays,
+        "bitwise_vs_eager": bool(torch.equal(pf, pr)),
+        "max_diff": max_diff(pf, pr),
+        "ranks_agree": ranks_agree(pf, dev),
+        "losses_finite": all(math.isfinite(v) for v in f_losses),
+    }
+
+
+@case
+def gpu_exit_with_graphs(args):
+    """Leave graphs alive and either exit or destroy the process group directly."""
+    pgd.init()
+    rank = dist.get_rank()
+    base = _gpu_model(0, 0.0)
+    model, opt = pgd.wrap(base, _opt(base.parameters(), "bf16", 1e-3), amp="bf16")
+    _train(model, opt, 10, rank, dev=device())
+    replays = pgd.report().models[0].replays
+    result = {"replays": replays}
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
+    if args.how == "destroy":
+        dist.destroy_process_group()
+    # "exit": return with graphs and the process group alive; atexit must clean up.
+    os._exit(0) if args.how == "hard" else sys.exit(0)
+
+
+@case
+def gpu_shapes(args):
+    """A short last batch and three sequence lengths: one graph each, no eager fallback."""
+    pgd.init()
+    rank = dist.get_rank()
+    dev = device()
+    torch.manual_seed(0)
+    emb = nn.Sequential(nn.Embedding(100, 32), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 100)).to(dev)
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = emb
+
+        def forward(self, tokens):
+            logits = self.net(tokens[:, :-1])
+            return nn.functional.cross_entropy(logits.reshape(-1, 100), tokens[:, 1:].reshape(-1))
+
+    def run(graphs):
+        torch.manual_seed(0)
+        m = LM().to(dev)
+        model, opt = pgd.wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-3), graphs=graphs, warmup=2)
+        for step in range(60):
+            seq = (16, 32, 64)[step % 3]
+            batch = 8 if step % 10 != 9 else 5  # a short batch every 10th step
+            g = torch.Generator().manual_seed(step * 10 + rank)
+            tokens = torch.randint(0, 100, (batch, seq), generator=g).to(dev)
+            opt.zero_grad(set_to_none=True)
+            model(tokens).backward()
+            opt.step()
+        return m
+
+    graphed = run(True)
+    rep = pgd.report().models[-1]
+    eager = run(False)
+    return {
+        "graphs": [(g.inputs, g.phase, g.replays, g.eager_iterations) for g in rep.graphs],
+        "bitwise": bool(torch.equal(flat_params(graphed), flat_params(eager))),
+        "max_diff": max_diff(flat_params(graphed), flat_params(eager)),
+    }
+
+
+@case
+def gpu_loop_checks(args):
+    """What the monitor does on a GPU: a host sync in forward is found at the probe;
+    a loop that changes after capture raises instead of training differently."""
+    pgd.init()
+    rank = dist.get_rank()
+    dev = device()
+    out = {}
+
+    class Syncing(MLP):
+        def forward(self, x, y):
+            loss = super().forward(x, y)
+            if loss.item() > 1e9:  # a host sync in forward
+                loss = loss * 0
+            return loss
+
+    torch.manual_seed(0)
+    base = Syncing(width=64).to(dev)
+    model, opt = pgd.wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-3))
+    _train(model, opt, 6, rank, dev=dev)
+    out["sync_loop"] = pgd.report().models[-1].loop
+
+    base = _gpu_model(0, 0.0)
+    model, opt = pgd.wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-3), warmup=1)
+    _train(model, opt, 8, rank, dev=dev)
+    out["replays_before_change"] = pgd.report().models[-1].replays
+    try:
+        _train(model, opt, 1, rank, dev=dev, clip=1.0)
+        out["after_capture_error"] = ""
+    except pgd.LoopConformanceError as exc:
+        out["after_capture_error"] = str(exc)
+    return out
+
+
+# ----------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("case", choices=sorted(CASES))
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--variant", default="plain")
+    parser.add_argument("--amp", default="fp32")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--how", default="exit")
+    parser.add_argument("--rendezvous-timeout", type=float, default=60)
+    args = parser.parse_args()
+    result = CASES[args.case](args)
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(result, default=str))
+    pgd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
