@@ -159,6 +159,7 @@ void bind_backend(py::module_& m) {
       "to capture into CUDA graphs (see csrc/graph_safe_backend.h).")
       .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& inner,
                        const std::string& device_type) {
+             TORCH_CHECK(inner, "GraphSafeBackend needs a backend to wrap, got None");
              return c10::make_intrusive<GraphSafeBackend>(inner, device_type);
            }),
            py::arg("inner"), py::arg("device_type"))

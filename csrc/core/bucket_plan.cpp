@@ -1,7 +1,6 @@
 #include "bucket_plan.h"
 
 #include <map>
-#include <sstream>
 #include <stdexcept>
 #include <utility>
 
@@ -82,14 +81,16 @@ BucketPlan plan_buckets(
 }
 
 std::string BucketPlan::describe() const {
-  std::ostringstream out;
+  // No iostreams in the core: see capture_fingerprint.cpp.
+  std::string out;
   for (size_t i = 0; i < buckets.size(); ++i) {
     const Bucket& b = buckets[i];
-    out << "bucket " << i << ": " << b.params.size() << " params, " << b.numel
-        << " elements, " << b.bytes << " bytes, dtype " << b.dtype
-        << ", device " << b.device << "\n";
+    out += "bucket " + std::to_string(i) + ": " + std::to_string(b.params.size()) +
+        " params, " + std::to_string(b.numel) + " elements, " + std::to_string(b.bytes) +
+        " bytes, dtype " + std::to_string(b.dtype) + ", device " +
+        std::to_string(b.device) + "\n";
   }
-  return out.str();
+  return out;
 }
 
 }  // namespace pgd::core

@@ -1,7 +1,7 @@
 #include "capture_fingerprint.h"
 
 #include <algorithm>
-#include <sstream>
+#include <string>
 
 namespace pgd::core {
 
@@ -29,22 +29,25 @@ const char* collective_kind_name(CollectiveKind kind) {
   return "unknown";
 }
 
+// Strings are built without iostreams on purpose: inside a process that has
+// loaded torch's CUDA libraries, an std::ostringstream constructed in this
+// library crashed (SIGSEGV on the GPU machine, torch 2.11+cu130, g++ 13),
+// while plain std::string building is safe everywhere.
 std::string CollectiveRecord::describe() const {
-  std::ostringstream out;
-  out << collective_kind_name(kind);
+  std::string out = collective_kind_name(kind);
   if (!dtype_name.empty()) {
-    out << " " << dtype_name;
+    out += " " + dtype_name;
   } else if (dtype >= 0) {
-    out << " dtype" << dtype;
+    out += " dtype" + std::to_string(dtype);
   }
-  out << " x" << numel;
+  out += " x" + std::to_string(numel);
   if (reduce_op >= 0) {
-    out << " (op " << reduce_op << ")";
+    out += " (op " + std::to_string(reduce_op) + ")";
   }
   if (root >= 0) {
-    out << " (root " << root << ")";
+    out += " (root " + std::to_string(root) + ")";
   }
-  return out.str();
+  return out;
 }
 
 bool CollectiveRecord::operator==(const CollectiveRecord& other) const {
@@ -90,16 +93,16 @@ std::optional<size_t> CaptureFingerprint::first_difference(
 }
 
 std::string CaptureFingerprint::describe(size_t max_records) const {
-  std::ostringstream out;
-  out << records_.size() << (records_.size() == 1 ? " collective" : " collectives");
+  std::string out = std::to_string(records_.size()) +
+      (records_.size() == 1 ? " collective" : " collectives");
   const size_t shown = std::min(max_records, records_.size());
   for (size_t i = 0; i < shown; ++i) {
-    out << (i == 0 ? ": " : ", ") << records_[i].describe();
+    out += (i == 0 ? ": " : ", ") + records_[i].describe();
   }
   if (shown < records_.size()) {
-    out << ", ... (" << records_.size() - shown << " more)";
+    out += ", ... (" + std::to_string(records_.size() - shown) + " more)";
   }
-  return out.str();
+  return out;
 }
 
 }  // namespace pgd::core

@@ -2,8 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <iomanip>
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 
 namespace pgd::core {
@@ -52,12 +51,12 @@ Summary summarize(const std::vector<double>& samples) {
 }
 
 std::string Summary::describe(const std::string& unit) const {
-  std::ostringstream out;
-  out << std::fixed << std::setprecision(3) << "n=" << count << " p50=" << p50
-      << unit << " p95=" << p95 << unit << " p99=" << p99 << unit
-      << " mean=" << mean << unit << " cv=" << std::setprecision(1)
-      << cv * 100 << "%";
-  return out.str();
+  // No iostreams in the core: see capture_fingerprint.cpp.
+  const char* u = unit.c_str();
+  char buf[256];
+  std::snprintf(buf, sizeof(buf), "n=%zu p50=%.3f%s p95=%.3f%s p99=%.3f%s mean=%.3f%s cv=%.1f%%",
+                count, p50, u, p95, u, p99, u, mean, u, cv * 100);
+  return buf;
 }
 
 CrossRankSummary summarize_across_ranks(

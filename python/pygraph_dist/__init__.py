@@ -129,7 +129,7 @@ def report(print_report: bool = False) -> Report:
     """What was graphed, for which input shapes, with timings, memory and every fallback."""
     from .engine import _LIVE
 
-    engines = sorted(_LIVE, key=id)
+    engines = sorted(_LIVE, key=lambda e: e.serial)  # creation order
     r = Report([model_report(e) for e in engines])
     if print_report:
         print(r)

@@ -119,6 +119,7 @@ class GraphEntry:
 
 
 _LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_SERIAL = iter(range(1, 1 << 62))
 _atexit_registered = False
 _lock = threading.Lock()
 
@@ -279,6 +280,7 @@ class Engine:
                         ", ".join(self.opt_plan.changes))
         if self.graphs_reason and self.rank == 0:
             logger.info("graphs unavailable (%s); training runs eagerly", self.graphs_reason)
+        self.serial = next(_SERIAL)  # creation order, for report()
         _LIVE.add(self)
         _register_teardown()
 
@@ -339,8 +341,14 @@ class Engine:
             self.entries.move_to_end(key)
             return entry
         probe = 0 if self.probe_done else max(1, self.config.probe)
+        # Once one signature has been captured, the lazy initialisation warm-up
+        # exists for (optimizer state, cuBLAS workspaces on the capture stream,
+        # NCCL communicators) is done: a new shape, such as the short last batch
+        # of an epoch, needs one eager iteration, not the full warm-up.
+        captured_before = any(e.graph is not None or e.capture_s for e in self.entries.values())
+        warmup = min(1, self.config.warmup) if captured_before else self.config.warmup
         policy = C.CapturePolicy(C.PolicyConfig(
-            probe_iters=probe, warmup_iters=self.config.warmup,
+            probe_iters=probe, warmup_iters=warmup,
             max_capture_attempts=2, max_recaptures=8,
         ))
         description = _describe_leaves(leaves)
@@ -374,7 +382,7 @@ class Engine:
         self.reducer.enabled = True
         args, kwargs = self._to_device(args, kwargs)
         sync_sites: list[str] = []
-        with self._sync_watch(probe, sync_sites):
+        with self._on_compute_stream(), self._sync_watch(probe, sync_sites):
             self._broadcast_buffers()
             with self.amp.autocast():
                 loss = self._loss(args, kwargs)
@@ -408,9 +416,9 @@ class Engine:
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
         for w in caught:
-            if "synchroniz" in str(w.message):
+            if "called a synchronizing CUDA operation" in str(w.message):
                 sites.append(f"{w.filename}:{w.lineno}")
-            else:
+            elif "prototype feature" not in str(w.message):  # torch's notice about the debug mode
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
     def monitor_backward(self, target, func, kwargs) -> bool:
@@ -480,7 +488,8 @@ class Engine:
                 )
         violations = self._stop_monitor()
         self.reducer.finish_pending()
-        result = self._apply_step(closure)
+        with self._on_compute_stream():
+            result = self._apply_step(closure)
         self.stage = Stage.IDLE
         self.zeroed_since_step = False
         if probe:
@@ -523,15 +532,30 @@ class Engine:
                 entry.policy.disable(self.graphs_reason)
 
     # ========================================================= owned mode
-    def _run_owned(self, inputs) -> torch.Tensor:
-        """One whole iteration, eagerly, on the capture stream."""
-        self.mode = "owned"
+    @contextlib.contextmanager
+    def _on_compute_stream(self):
+        """Run on the capture stream, ordered after and before the caller's stream.
+
+        Every iteration computes there, probe and eager ones included, so that
+        the AccumulateGrad nodes autograd caches per parameter (kept alive by
+        any loss the user still holds) always carry the capture stream; a node
+        created on another stream makes capture fail (torch warns "The
+        AccumulateGrad node's stream does not match", input_buffer.cpp)."""
+        if self.stream is None:
+            yield
+            return
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
+            yield
+        current.wait_stream(self.stream)
+
+    def _run_owned(self, inputs) -> torch.Tensor:
+        """One whole iteration, eagerly, on the capture stream."""
+        self.mode = "owned"
+        with self._on_compute_stream():
             self._clear_grads()
             loss = self._body(inputs)
-        current.wait_stream(self.stream)
         return loss
 
     def _body(self, inputs) -> torch.Tensor:

@@ -377,6 +377,14 @@ def init(
     dist.init_process_group(
         backend=chosen, store=store, rank=e.rank, world_size=e.world_size, timeout=timeout
     )
+    if chosen.startswith("cpu:gloo,cuda:pgd"):
+        # torch matches plugin names case-sensitively when it picks the default
+        # backend type of a multi-backend group and misses ours; without a default
+        # type, destroy_process_group warns "No backend of type 0 found".
+        try:
+            dist.group.WORLD._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+        except (AttributeError, RuntimeError):
+            pass
     logger.info(
         "initialised rank %d/%d (local %d) via %s, backend %s, device %s",
         e.rank, e.world_size, e.local_rank, e.launcher, chosen, device or "cpu",

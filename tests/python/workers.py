@@ -334,7 +334,7 @@ def _opt(params, amp, lr):
 
 def _gpu_model(seed, dropout):
     torch.manual_seed(seed)
-    return MLP(width=64, depth=4, dropout=dropout).to(device())
+    return MLP(width=32, depth=4, dropout=dropout).to(device())
 
 
 @case
@@ -508,7 +508,7 @@ def gpu_loop_checks(args):
             return loss
 
     torch.manual_seed(0)
-    base = Syncing(width=64).to(dev)
+    base = Syncing().to(dev)
     model, opt = pgd.wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-3))
     _train(model, opt, 6, rank, dev=dev)
     out["sync_loop"] = pgd.report().models[-1].loop

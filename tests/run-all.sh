@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Every test: the GoogleTest suite of the C++ core, the compile check of the
+# CUDA code paths, and pytest (CPU tests with 2 Gloo ranks and mpirun; GPU
+# tests run where CUDA is, and are skipped -- and reported as skipped -- where
+# it is not). Sets up the environment first.
+#   ./tests/run-all.sh [extra pytest args]
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../launch/setup-env.sh"
+cd "$PGD_ROOT"
+CMAKE="$("$PY" -c 'import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, "cmake"))')"
+CTEST="$(dirname "$CMAKE")/ctest"
+NINJA_DIR="$("$PY" -c 'import ninja, os; print(ninja.BIN_DIR)')"
+export PATH="$(dirname "$CMAKE"):$NINJA_DIR:$PATH"
+
+echo "== C++ core (GoogleTest)" >&2
+cmake -S . -B build/core-tests -G Ninja -DPGD_BUILD_EXTENSION=OFF -DPGD_BUILD_TESTS=ON >/dev/null
+cmake --build build/core-tests
+"$CTEST" --test-dir build/core-tests --output-on-failure
+
+if "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)"; then
+  echo "== CUDA code paths: already compiled by the install above (torch is a CUDA build)" >&2
+elif [ "${PGD_SKIP_CUDA_COMPILE:-0}" = 1 ]; then
+  echo "== CUDA code paths: NOT compiled (PGD_SKIP_CUDA_COMPILE=1)" >&2
+else
+  echo "== CUDA code paths (compile check against a CUDA build of torch)" >&2
+  ./launch/cuda-compile-check.sh
+fi
+
+echo "== Python (pytest)" >&2
+exec "$PY" -m pytest tests/python -ra "$@"
