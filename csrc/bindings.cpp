@@ -146,7 +146,8 @@ void bind_core(py::module_& m) {
       .def("conformance_failed", &core::CapturePolicy::conformance_failed)
       .def("invalidate", &core::CapturePolicy::invalidate)
       .def("reject", &core::CapturePolicy::reject)
-      .def("disable", &core::CapturePolicy::disable);
+      .def("disable", &core::CapturePolicy::disable)
+      .def("cap_warmup", &core::CapturePolicy::cap_warmup, py::arg("max_left"));
 }
 
 void bind_backend(py::module_& m) {

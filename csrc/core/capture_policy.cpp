@@ -121,6 +121,16 @@ void CapturePolicy::disable(const std::string& reason) {
   to_eager(reason);
 }
 
+void CapturePolicy::cap_warmup(int max_left) {
+  if (phase_ != Phase::kWarmup || max_left < 0 || warmup_left_ <= max_left) {
+    return;
+  }
+  warmup_left_ = max_left;
+  if (warmup_left_ == 0) {
+    phase_ = Phase::kCapture;
+  }
+}
+
 void CapturePolicy::to_eager(const std::string& reason) {
   phase_ = Phase::kEager;
   reason_ = reason;

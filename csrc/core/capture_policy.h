@@ -66,6 +66,11 @@ class CapturePolicy {
   void reject(const std::string& reason);
   // Graphs cannot be used at all (no CUDA, disabled by the user, ...).
   void disable(const std::string& reason);
+  // Leave at most `max_left` warm-up iterations (0: capture next). Once one
+  // input signature has been captured, the lazy initialisation that warm-up
+  // exists for is done, and a rarely seen signature (the short last batch of
+  // an epoch) should not wait for the full warm-up. No-op outside warm-up.
+  void cap_warmup(int max_left);
 
  private:
   void to_eager(const std::string& reason);

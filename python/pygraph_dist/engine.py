@@ -116,6 +116,7 @@ class GraphEntry:
     param_ptrs: list = field(default_factory=list)
     state_version: int = 0
     last_used: int = 0
+    warmups: int = 0
 
 
 _LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -261,6 +262,8 @@ class Engine:
         self.watchdog = ReplayWatchdog(timeout if self.graphs_possible else 0)
 
         self.entries: OrderedDict[tuple, GraphEntry] = OrderedDict()
+        self.captured_any = False
+        self.sync_sites: list[str] = []  # host syncs the probe saw in forward (a hint)
         self.loop_violation: str | None = None
         self.probe_done = False
         self.stage = Stage.IDLE
@@ -295,6 +298,8 @@ class Engine:
             drift = self._graph_drift(entry)
             if drift:
                 self._invalidate(entry, drift)
+        elif entry.policy.phase == Phase.WARMUP and self.captured_any:
+            entry.policy.cap_warmup(0 if entry.warmups else 1)
         phase = entry.policy.begin_iteration()
         self._entry, self._phase = entry, phase
         entry.last_used = self.iteration
@@ -306,6 +311,7 @@ class Engine:
         if phase == Phase.WARMUP:
             if not entry.first_seen_s:
                 entry.first_seen_s = time.perf_counter()
+            entry.warmups += 1
             return self._hand_out(self._run_owned(self._to_device(args, kwargs)))
         if phase == Phase.CAPTURE:
             return self._capture(entry, args, kwargs)
@@ -345,8 +351,7 @@ class Engine:
         # exists for (optimizer state, cuBLAS workspaces on the capture stream,
         # NCCL communicators) is done: a new shape, such as the short last batch
         # of an epoch, needs one eager iteration, not the full warm-up.
-        captured_before = any(e.graph is not None or e.capture_s for e in self.entries.values())
-        warmup = min(1, self.config.warmup) if captured_before else self.config.warmup
+        warmup = min(1, self.config.warmup) if self.captured_any else self.config.warmup
         policy = C.CapturePolicy(C.PolicyConfig(
             probe_iters=probe, warmup_iters=warmup,
             max_capture_attempts=2, max_recaptures=8,
@@ -386,14 +391,12 @@ class Engine:
             self._broadcast_buffers()
             with self.amp.autocast():
                 loss = self._loss(args, kwargs)
-        if sync_sites and self.monitor is not None:
-            self.monitor.start("in the model's forward")
-            self.monitor.record(
-                f"the model's forward synchronises with the host ({', '.join(sync_sites[:3])})",
-                "A CUDA graph cannot capture a host synchronisation (.item(), .cpu(), nonzero, "
-                "boolean-mask indexing, printing a tensor): compute it outside the model call or "
-                "replace it with a device-side operation.",
-            )
+        # A sync seen in eager forward is only a hint: libraries such as
+        # transformers skip theirs while a stream is capturing. Capture decides;
+        # if it fails on a sync, its message cites these sites.
+        for site in sync_sites:
+            if site not in self.sync_sites:
+                self.sync_sites.append(site)
         out = ScaleGrad.apply(loss, self.grad_scaler._scale) if self.grad_scaler is not None else loss
         self._returned_loss = out
         self.stage = Stage.FORWARD
@@ -600,6 +603,8 @@ class Engine:
             self.reducer.abandon()
             self._restore_after_failed_capture(generator, rng_snapshot)
         reason, retryable = _describe_capture_error(error)
+        if error is not None and "host synchronisation" in reason and self.sync_sites:
+            reason += f"; the probe saw host syncs in forward at {', '.join(self.sync_sites[:3])}"
         config_text = self._config_text(entry)
         verdict = agreement.agree(
             ok=error is None,
@@ -635,6 +640,7 @@ class Engine:
         entry.param_ptrs = [p.data_ptr() for p in self.reducer.params]
         entry.state_version = self.opt_state_version
         entry.policy.capture_succeeded()
+        self.captured_any = True
         self._enforce_cache_limits(entry)
         if entry.graph is None:  # did not fit the memory cap
             return self._hand_out(self._run_owned(static))
@@ -892,8 +898,14 @@ def _describe_capture_error(error: BaseException | None) -> tuple[str, bool]:
     """(reason, retryable) for a local capture failure."""
     if error is None:
         return "", True
-    text = f"{type(error).__name__}: {error}".strip()
-    first = text.splitlines()[0][:400]
+    # torch.cuda.graph.__exit__ ends the capture even when the body raised, so
+    # the error we catch may be capture_end's; the cause is in the chain.
+    chain, e = [], error
+    while e is not None and len(chain) < 4:
+        chain.append(f"{type(e).__name__}: {e}".strip())
+        e = e.__cause__ or e.__context__
+    text = "\n".join(chain)
+    first = chain[-1].splitlines()[0][:400] if chain else ""
     if NOT_CAPTURABLE_TAG in text:
         return first.replace(NOT_CAPTURABLE_TAG, "").strip(), False
     lowered = text.lower()

@@ -112,3 +112,19 @@ TEST(CapturePolicy, MisuseThrows) {
   EXPECT_THROW(CapturePolicy(config(-1, 0)), std::invalid_argument);
   EXPECT_THROW(CapturePolicy(config(0, 0, 0)), std::invalid_argument);
 }
+
+TEST(CapturePolicy, CapWarmup) {
+  CapturePolicy p(config(0, 3));
+  EXPECT_EQ(p.begin_iteration(), Phase::kWarmup);  // 2 left
+  p.cap_warmup(5);                                  // larger cap: no change
+  EXPECT_EQ(p.begin_iteration(), Phase::kWarmup);  // 1 left
+  p.cap_warmup(0);
+  EXPECT_EQ(p.phase(), Phase::kCapture);
+  EXPECT_EQ(p.begin_iteration(), Phase::kCapture);
+  p.capture_succeeded();
+  p.cap_warmup(0);  // outside warm-up: no-op
+  EXPECT_EQ(p.phase(), Phase::kReplay);
+  CapturePolicy q(config(1, 4));
+  q.cap_warmup(0);  // still probing: no-op
+  EXPECT_EQ(q.begin_iteration(), Phase::kProbe);
+}

@@ -510,8 +510,11 @@ def gpu_loop_checks(args):
     torch.manual_seed(0)
     base = Syncing().to(dev)
     model, opt = pgd.wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-3))
-    _train(model, opt, 6, rank, dev=dev)
-    out["sync_loop"] = pgd.report().models[-1].loop
+    _train(model, opt, 8, rank, dev=dev)
+    rep = pgd.report().models[-1]
+    out["sync_loop"] = rep.loop
+    out["sync_phase"] = rep.graphs[0].phase
+    out["sync_reason"] = rep.graphs[0].reason
 
     base = _gpu_model(0, 0.0)
     model, opt = pgd.wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-3), warmup=1)
