@@ -438,6 +438,8 @@ def environment() -> dict:
                                        text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         env["commit"] = ""
+    # A copy of the tree without .git (e.g. shipped to a GPU host) can say which commit it is.
+    env["commit"] = env["commit"] or os.environ.get("PGD_COMMIT", "")
     return env
 
 

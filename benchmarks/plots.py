@@ -49,7 +49,7 @@ def plot_all(result: dict, stem: Path) -> list[Path]:
         ax.set_xticks(range(len(workloads)), workloads)
         ax.set_ylabel(ylabel)
         ax.set_title(f"{title} (N={n_max}, {cond})\n{subtitle}", fontsize=9)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(modes), frameon=False)
         fig.tight_layout()
         path = Path(f"{stem}-{suffix}.png")
         fig.savefig(path, dpi=120)
@@ -64,7 +64,7 @@ def plot_all(result: dict, stem: Path) -> list[Path]:
     cdf_modes = [m for m in ("ddp", "pgd") if m in modes]
     cdf_workloads = [w for w in workloads if _ok(cells, workload=w, condition="jitter", world_size=n_max)]
     if cdf_workloads and cdf_modes:
-        from matplotlib.ticker import NullFormatter, ScalarFormatter
+        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
         fig, axes = plt.subplots(1, len(cdf_workloads), figsize=(3.6 * len(cdf_workloads), 3.4), squeeze=False)
         for ax, w in zip(axes[0], cdf_workloads):
@@ -77,6 +77,7 @@ def plot_all(result: dict, stem: Path) -> list[Path]:
                     ys = [(k + 1) / len(xs) for k in range(len(xs))]
                     ax.plot(xs, ys, style, color=MODE_COLORS[m], label=f"{MODE_LABELS[m]}, {c_name}")
             ax.set_xscale("log")
+            ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
             ax.xaxis.set_major_formatter(ScalarFormatter())
             ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel("iteration time, max over ranks (ms)")

@@ -1,0 +1,91 @@
+"""pygraph-launch command lines, the main job end to end, and the benchmark harness (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import NO_MULTICAST, ROOT
+from pygraph_dist.launch import build_command, parse
+
+
+def _cmd(argv):
+    return build_command(parse(argv))
+
+
+def test_torchrun_command():
+    cmd, env = _cmd(["-n", "2", "train.py", "--steps", "5"])
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                       "train.py", "--steps", "5"]
+    assert env == NO_MULTICAST
+
+
+def test_mpirun_never_binds_a_rank_to_one_core():
+    cmd, env = _cmd(["--launcher", "mpirun", "-n", "2", "train.py"])
+    assert "--bind-to" in cmd and cmd[cmd.index("--bind-to") + 1] == "none"
+    for k in NO_MULTICAST:  # exported to the ranks
+        assert cmd[cmd.index(k) - 1] == "-x"
+    if os.geteuid() == 0:
+        assert "--allow-run-as-root" in cmd
+
+
+def test_mpich_and_srun_commands(monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    cmd, _ = _cmd(["--launcher", "mpich", "-n", "4", "train.py"])
+    assert cmd[:3] == ["/usr/bin/mpiexec", "-n", "4"] and "-genv" in cmd
+    cmd, _ = _cmd(["--launcher", "srun", "-n", "8", "--nodes", "2", "--cpus-per-rank", "4", "train.py"])
+    assert "--cpu-bind=cores" in cmd and "--cpus-per-task" in cmd
+    cmd, _ = _cmd(["--launcher", "srun", "-n", "2", "train.py"])
+    assert "--cpu-bind=none" in cmd
+
+
+def test_torchrun_multinode_needs_endpoint():
+    with pytest.raises(SystemExit, match="rdzv-endpoint"):
+        _cmd(["--nodes", "2", "-n", "2", "train.py"])
+
+
+def _env():
+    env = dict(os.environ)
+    env.update(NO_MULTICAST)
+    env["OMP_NUM_THREADS"] = "1"
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def test_main_job_runs_on_two_ranks():
+    p = subprocess.run([sys.executable, "-m", "pygraph_dist.launch", "-n", "2", "examples/train_mlp.py",
+                        "--steps", "12", "--log-every", "6"], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=180)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "step   12/12" in p.stdout
+    summary = [line for line in p.stdout.splitlines() if line.startswith("summary:")]
+    assert len(summary) == 1 and "2 ranks" in summary[0], p.stdout
+
+
+@pytest.mark.slow
+def test_benchmark_harness_smoke(tmp_path):
+    p = subprocess.run([sys.executable, "benchmarks/bench_scaling.py", "--workloads", "tiny", "--world-sizes", "1,2",
+                        "--conditions", "baseline,jitter", "--iters", "12", "--out-dir", str(tmp_path),
+                        "--name", "smoke", "--timeout", "150"], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    ok = {(c["mode"], c["world_size"], c["condition"]): c for c in result["cells"] if c["status"] == "ok"}
+    for mode in ("ddp", "pgd"):
+        for n in (1, 2):
+            c = ok[(mode, n, "baseline")]
+            assert len(c["per_rank_ms"]) == n and all(len(r) == 12 for r in c["per_rank_ms"])
+            assert c["ms_per_it"] > 0 and "scaling_efficiency" in c and "speedup_vs_ddp" in c
+        assert "jitter_throughput_loss" not in ok[(mode, 2, "jitter")]  # no sync10 reference in this run
+    skipped = [c for c in result["cells"] if c["status"] == "skipped"]
+    assert skipped and all(c["reason"] == "needs CUDA" for c in skipped)
+    assert "ms/it" in p.stdout and "speedup" in p.stdout  # the table, with its column definitions
+    assert (tmp_path / "smoke-speedup.png").stat().st_size > 1000
+    assert (tmp_path / "smoke-efficiency.png").exists()
