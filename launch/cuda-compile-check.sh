@@ -2,8 +2,7 @@
 # Compile the extension's CUDA code paths against a CUDA build of torch, on a
 # machine without a GPU: catches compile errors in GPU-only code in CI.
 # Uses torch==2.14.1 (CUDA 13) from the local package index and the machine's
-# nvcc/CUDA headers; only headers, CMake files and the linked libraries are
-# unpacked. Needs PY (from setup-env.sh).
+# nvcc/CUDA headers; only headers, CMake files and libraries are unpacked. Needs PY (from setup-env.sh).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 WORK="$ROOT/build/cuda-check"
@@ -22,9 +21,10 @@ if [ ! -f "$WORK/torch/torch/share/cmake/Torch/TorchConfig.cmake" ]; then
   "$PY" - "$wheel" "$WORK/torch" <<'PYEOF'
 import sys, zipfile
 wheel, dest = sys.argv[1:]
-libs = {f"torch/lib/lib{n}.so" for n in ("torch", "torch_cpu", "c10", "torch_python", "torch_cuda", "c10_cuda")}
+# torch's CMake package checks that every library its imported targets name
+# exists, so all of torch/lib comes out, not only what the extension links.
 with zipfile.ZipFile(wheel) as z:
-    names = [n for n in z.namelist() if n.startswith(("torch/include/", "torch/share/")) or n in libs]
+    names = [n for n in z.namelist() if n.startswith(("torch/include/", "torch/share/", "torch/lib/"))]
     z.extractall(dest, names)
 PYEOF
 fi
