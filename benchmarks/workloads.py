@@ -104,23 +104,20 @@ def _timm(name: str, **kwargs) -> nn.Module:
     return ClassifierLoss(timm.create_model(name, pretrained=False, num_classes=1000, **kwargs))
 
 
-register(Workload(
-    name="resnet50",
-    description="ResNet-50 (timm) at 128 px, 1000 classes",
-    default_batch=32,
-    build=lambda: _timm("resnet50"),
-    make_batch=lambda b, g: (torch.randn(b, 3, 128, 128, generator=g), torch.randint(0, 1000, (b,), generator=g)),
-    requires=("timm",),
-))
+def _timm_workload(name: str, timm_name: str, pixels: int, description: str) -> Workload:
+    return register(Workload(
+        name=name,
+        description=description,
+        default_batch=32,
+        build=lambda: _timm(timm_name),
+        make_batch=lambda b, g: (torch.randn(b, 3, pixels, pixels, generator=g),
+                                 torch.randint(0, 1000, (b,), generator=g)),
+        requires=("timm",),
+    ))
 
-register(Workload(
-    name="vit_tiny",
-    description="ViT-tiny/16 (timm) at 224 px, 1000 classes",
-    default_batch=32,
-    build=lambda: _timm("vit_tiny_patch16_224"),
-    make_batch=lambda b, g: (torch.randn(b, 3, 224, 224, generator=g), torch.randint(0, 1000, (b,), generator=g)),
-    requires=("timm",),
-))
+
+_timm_workload("resnet50", "resnet50", 128, "ResNet-50 (timm) at 128 px, 1000 classes")
+_timm_workload("vit_tiny", "vit_tiny_patch16_224", 224, "ViT-tiny/16 (timm) at 224 px, 1000 classes")
 
 # A tiny workload for smoke tests of the benchmark itself (CPU CI).
 register(Workload(
