@@ -138,8 +138,11 @@ def report(print_report: bool = False) -> Report:
 
 def shutdown() -> None:
     """Release every graph, then destroy the default process group."""
+    import gc
+
     import torch.distributed as dist
 
     teardown_all()
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()  # destroy what held the group now, not during interpreter exit

@@ -290,7 +290,8 @@ class Engine:
     # ================================================================ entry
     def run(self, args: tuple, kwargs: dict):
         """The wrapped model's call: one training iteration (or an evaluation)."""
-        if not (self.module.training and torch.is_grad_enabled()):
+        if not (self.module.training and torch.is_grad_enabled()) or self.closed:
+            # Evaluation, or after teardown (no process group left): the module as is.
             return self._evaluate(args, kwargs)
         self._begin_iteration()
         entry = self._entry_for(args, kwargs)
@@ -869,11 +870,18 @@ class Engine:
         })
 
     def teardown(self) -> None:
-        """Release every graph (and with it NCCL's references to the communicator)."""
+        """Release every graph (and with it NCCL's references to the communicator).
+
+        Also drops the engine's hold on the process group and the cycles through
+        it (reducer hooks on the parameters, the optimizer's back-reference), so
+        that the group's C++ objects are destroyed when the process group is,
+        not during interpreter exit, where destroying them occasionally aborted
+        the process. The optimizer keeps working as a plain optimizer."""
         if self.closed:
             return
         self.closed = True
         self.watchdog.close()
+        self._stop_monitor()
         released = False
         for entry in self.entries.values():
             if entry.graph is not None:
@@ -883,6 +891,11 @@ class Engine:
                 released = True
         if released and torch.cuda.is_available():
             torch.cuda.synchronize(self.device)
+        self.reducer.remove_hooks()
+        self.reducer.group = None
+        self.group = None
+        self.fp_backend = None
+        self.optimizer.__dict__.pop("_pgd_engine", None)
 
 
 def _discard(graph: torch.cuda.CUDAGraph | None) -> None:

@@ -76,6 +76,7 @@ def run_ranks(
             "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+            "PYTHONFAULTHANDLER": "1",  # a crash or abort prints every thread's Python stack
             "PYTHONPATH": str(ROOT / "tests" / "python") + os.pathsep + child_env.get("PYTHONPATH", ""),
         })
         if env:

@@ -5,17 +5,23 @@ from __future__ import annotations
 import pytest
 
 
-def test_reducer_matches_ddp(ranks):
-    for r in ranks("reducer_vs_ddp", timeout=120):
-        assert r["max_diff_vs_ddp"] == 0.0, r  # same arithmetic as DDP: multiply by 1/2, sum
+@pytest.mark.parametrize("world", [2, 3])
+def test_reducer_matches_ddp(ranks, world):
+    for r in ranks("reducer_vs_ddp", world_size=world, timeout=180):
+        if world == 2:
+            assert r["max_diff_vs_ddp"] == 0.0, r  # same arithmetic as DDP: multiply by 1/2, sum
+        else:
+            # 3 ranks: Gloo may sum our smaller buckets in another order than DDP's.
+            assert r["max_diff_vs_ddp"] < 1e-6, r
         assert r["local_vs_reduced"] > 0, "gradients were not reduced at all"
         assert r["buckets"] >= 3
         assert r["ranks_agree"]
         assert r["grad_is_bucket_view"]
 
 
-def test_wrap_on_cpu_trains_eagerly_like_ddp(ranks):
-    results = ranks("wrap_cpu_vs_ddp", timeout=120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_wrap_on_cpu_trains_eagerly_like_ddp(ranks, world):
+    results = ranks("wrap_cpu_vs_ddp", world_size=world, timeout=180)
     for r in results:
         assert not r["graphs_possible"]
         assert "CPU-only" in r["graphs_reason"]
