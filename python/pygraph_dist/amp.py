@@ -85,8 +85,7 @@ class ScaleGrad(torch.autograd.Function):
 
 
 def make_grad_scaler(device_type: str) -> torch.amp.GradScaler:
-    scaler = torch.amp.GradScaler(device_type)
-    return scaler
+    return torch.amp.GradScaler(device_type)
 
 
 def ensure_scale_initialised(scaler: torch.amp.GradScaler, device: torch.device) -> torch.Tensor:

@@ -59,7 +59,7 @@ from . import agreement
 from ._ext import C, NOT_CAPTURABLE_TAG, graphs_available
 from .amp import ScaleGrad, ensure_scale_initialised, make_grad_scaler, parse_amp
 from .backend import graph_safe_backend
-from .monitor import LoopMonitor, user_location
+from .monitor import LoopMonitor, storage_ptr, user_location
 from .optim import hyperparams_drift, make_graph_aware, prepare_optimizer, snapshot_hyperparams
 from .reducer import GradientReducer
 from .watchdog import ReplayWatchdog
@@ -294,7 +294,8 @@ class Engine:
             # Evaluation, or after teardown (no process group left): the module as is.
             return self._evaluate(args, kwargs)
         self._begin_iteration()
-        entry = self._entry_for(args, kwargs)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        entry = self._entry_for(leaves, spec)
         if entry.policy.phase == Phase.REPLAY:
             drift = self._graph_drift(entry)
             if drift:
@@ -316,7 +317,7 @@ class Engine:
             return self._hand_out(self._run_owned(self._to_device(args, kwargs)))
         if phase == Phase.CAPTURE:
             return self._capture(entry, args, kwargs)
-        return self._replay(entry, args, kwargs)
+        return self._replay(entry, leaves)
 
     def _begin_iteration(self) -> None:
         if self.stage is not Stage.IDLE:
@@ -336,8 +337,7 @@ class Engine:
             self.reducer.finish_pending()
         self.iteration += 1
 
-    def _entry_for(self, args: tuple, kwargs: dict) -> GraphEntry:
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+    def _entry_for(self, leaves: list, spec) -> GraphEntry:
         try:
             key = (spec, tuple(_leaf_key(x) for x in leaves))
             hash(key)
@@ -655,9 +655,9 @@ class Engine:
                         entry.description, entry.collectives, entry.capture_s * 1e3, entry.setup_s)
         return self._hand_out(static_loss)
 
-    def _replay(self, entry: GraphEntry, args, kwargs):
+    def _replay(self, entry: GraphEntry, leaves: list):
+        """``leaves``: the call's flattened (args, kwargs), in the order of entry.static_leaves."""
         self.mode = "owned"
-        leaves = pytree.tree_leaves((args, kwargs))
         for static, leaf in zip(entry.static_leaves, leaves):
             if isinstance(leaf, torch.Tensor) and leaf is not static:
                 static.copy_(leaf, non_blocking=True)
@@ -840,13 +840,7 @@ class Engine:
         for state in self.optimizer.state.values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
         tensors += [t for t in self.opt_plan.lr_tensors if t is not None]
-        out = set()
-        for t in tensors:
-            try:
-                out.add(t.untyped_storage().data_ptr())
-            except (RuntimeError, NotImplementedError):
-                pass
-        return out
+        return {storage_ptr(t) for t in tensors} - {-1}
 
     def _stop_monitor(self):
         if self.monitor is None:

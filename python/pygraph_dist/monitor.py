@@ -155,7 +155,7 @@ class LoopMonitor(TorchFunctionMode):
             targets = list(_tensors(args[:1])) + list(_tensors(kwargs.get("out")))
             owned = self._owned_storages()
             for t in targets:
-                if _storage_ptr(t) in owned:
+                if storage_ptr(t) in owned:
                     self.record(
                         f"{name}() modifies a parameter, gradient, optimizer state or learning "
                         f"rate {self.window}",
@@ -182,7 +182,8 @@ class LoopMonitor(TorchFunctionMode):
         )
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
+def storage_ptr(t: torch.Tensor) -> int:
+    """Address of ``t``'s storage (-1 for tensors without one), to tell owned tensors apart."""
     try:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):

@@ -103,11 +103,6 @@ class GradientReducer:
         self._works: list = []
         self._finalize_queued = False
 
-    @property
-    def in_backward(self) -> bool:
-        """A backward pass has produced gradients whose reduction is not finished."""
-        return self._finalize_queued
-
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
