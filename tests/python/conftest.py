@@ -36,6 +36,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+_LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELASTIC_")
+_LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+
+
+def child_env(**extra: str) -> dict:
+    """This process's environment without any launcher's variables, with NVLink
+    multicast off, one OpenMP thread and faulthandler on, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in _LAUNCHER_NAMES and not k.startswith(_LAUNCHER_PREFIXES)}
+    env.update(NO_MULTICAST)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONFAULTHANDLER": "1"})  # a crash or abort prints every thread's Python stack
+    env.update(extra)
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -67,24 +83,17 @@ def run_ranks(
     out_dir.mkdir(parents=True)
     procs = []
     for rank in range(world_size):
-        child_env = dict(os.environ)
-        for k in list(child_env):
-            if k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELASTIC_")):
-                child_env.pop(k)
-        child_env.update(NO_MULTICAST)
-        child_env.update({
-            "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-            "PYTHONFAULTHANDLER": "1",  # a crash or abort prints every thread's Python stack
-            "PYTHONPATH": str(ROOT / "tests" / "python") + os.pathsep + child_env.get("PYTHONPATH", ""),
-        })
+        env_r = child_env(
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            PYTHONPATH=str(ROOT / "tests" / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
         if env:
-            child_env.update(env)
+            env_r.update(env)
         log = open(out_dir / f"rank{rank}.log", "w")
         procs.append((subprocess.Popen(
             [sys.executable, str(WORKERS), case, "--out", str(out_dir), *(args or [])],
-            env=child_env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
+            env=env_r, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
         ), log))
     deadline = time.monotonic() + timeout
     timed_out = False

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import NO_MULTICAST, ROOT
+from conftest import NO_MULTICAST, ROOT, child_env
 from pygraph_dist.launch import build_command, parse
 
 
@@ -50,18 +50,9 @@ def test_torchrun_multinode_needs_endpoint():
         _cmd(["--nodes", "2", "-n", "2", "train.py"])
 
 
-def _env():
-    env = dict(os.environ)
-    env.update(NO_MULTICAST)
-    env["OMP_NUM_THREADS"] = "1"
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
-
-
 def test_main_job_runs_on_two_ranks():
     p = subprocess.run([sys.executable, "-m", "pygraph_dist.launch", "-n", "2", "examples/train_mlp.py",
-                        "--steps", "12", "--log-every", "6"], cwd=ROOT, env=_env(), capture_output=True,
+                        "--steps", "12", "--log-every", "6"], cwd=ROOT, env=child_env(), capture_output=True,
                        text=True, timeout=180)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "step   12/12" in p.stdout
@@ -73,7 +64,7 @@ def test_main_job_runs_on_two_ranks():
 def test_benchmark_harness_smoke(tmp_path):
     p = subprocess.run([sys.executable, "benchmarks/bench_scaling.py", "--workloads", "tiny", "--world-sizes", "1,2",
                         "--conditions", "baseline,jitter", "--iters", "12", "--out-dir", str(tmp_path),
-                        "--name", "smoke", "--timeout", "150"], cwd=ROOT, env=_env(), capture_output=True,
+                        "--name", "smoke", "--timeout", "150"], cwd=ROOT, env=child_env(), capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     result = json.loads((tmp_path / "smoke.json").read_text())

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import NO_MULTICAST, ROOT, WORKERS, free_port, run_ranks
+from conftest import ROOT, WORKERS, child_env, free_port, run_ranks
 from pygraph_dist.launch_env import LaunchError, detect, first_slurm_host
 
 
@@ -77,14 +77,7 @@ def test_first_slurm_host(nodelist, first):
 
 def _single(tmp_path, env: dict, timeout: float = 60) -> tuple[int, str, float]:
     """One rank of a world, alone: it must fail on its own within the timeout."""
-    import os
-
-    child = {k: v for k, v in os.environ.items()
-             if not k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                  "MASTER_", "TORCHELASTIC"))}
-    child.update(NO_MULTICAST)
-    child.update(env)
-    child["PYTHONPATH"] = str(ROOT / "tests" / "python")
+    child = child_env(PYTHONPATH=str(ROOT / "tests" / "python"), **env)
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, str(WORKERS), "init_only", "--out", str(tmp_path),
                         "--rendezvous-timeout", "3"], env=child, capture_output=True, text=True,
@@ -134,11 +127,8 @@ def test_mpirun_two_ranks(tmp_path):
     if mpirun is None:
         pytest.skip("mpirun not installed")
     import json
-    import os
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env.update(NO_MULTICAST)
-    env["PYTHONPATH"] = str(ROOT / "tests" / "python")
+    env = child_env(PYTHONPATH=str(ROOT / "tests" / "python"))
     cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2",
            "-x", "PYTHONPATH", sys.executable, str(WORKERS), "init_only", "--out", str(tmp_path)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=str(ROOT))
