@@ -224,10 +224,11 @@ class PyGraphDist(Mode):
         amp = "bf16" if self.dev.type == "cuda" else None
         self.model, self.opt = pgd.wrap(model, opt, amp=amp)
         engine = self.model.engine
-        for _ in range(20):  # probe, warm-up, capture; stops once steady
+        for _ in range(30):  # probe, warm-up, capture, selection; stops once steady
             self.step(self.batches[0])
             phases = {C_phase(e) for e in engine.entries.values()}
-            if phases <= {"replay", "eager"}:
+            decided = all(e.selection or C_phase(e) == "eager" for e in engine.entries.values())
+            if phases <= {"replay", "eager"} and (decided or not engine.config.select):
                 break
         self.report = pgd.report().models[-1]
 
@@ -350,7 +351,8 @@ def worker(args) -> None:
             if mname == "pgd":
                 r = mode.report
                 extra = {"pgd_phase": [g.phase for g in r.graphs], "pgd_reason": [g.reason for g in r.graphs],
-                         "pgd_loop": r.loop, "pgd_collectives": [g.n_collectives for g in r.graphs]}
+                         "pgd_loop": r.loop, "pgd_collectives": [g.n_collectives for g in r.graphs],
+                         "pgd_selection": [g.selection for g in r.graphs]}
             for cname in conditions:
                 cond = CONDITIONS[cname]
                 dist.barrier(group=stock)

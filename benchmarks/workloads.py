@@ -97,6 +97,19 @@ register(Workload(
 ))
 
 
+# A GPU-bound configuration: the same GPT-2-small shape at 16 x 512 tokens per GPU,
+# where kernels, not launches, take the time. Selective deployment must keep
+# pygraph_dist from being slower than eager here (issue 5).
+register(Workload(
+    name="gpt2_gpu_bound",
+    description="GPT-2-small shape, seq 512, batch 16 per GPU (GPU-bound)",
+    default_batch=16,
+    build=GPT2Loss,
+    make_batch=lambda b, g: (torch.randint(0, 50257, (b, 512), generator=g),),
+    requires=("transformers",),
+))
+
+
 # --------------------------------------------------------------- timm models
 def _timm(name: str, **kwargs) -> nn.Module:
     import timm

@@ -28,11 +28,11 @@ py::dict record_to_dict(const core::CollectiveRecord& r) {
 void bind_core(py::module_& m) {
   py::class_<core::ParamSpec>(m, "ParamSpec")
       .def(py::init([](int64_t numel, int64_t element_size, int dtype, int device,
-                       bool requires_grad) {
-             return core::ParamSpec{numel, element_size, dtype, device, requires_grad};
+                       bool requires_grad, bool isolated) {
+             return core::ParamSpec{numel, element_size, dtype, device, requires_grad, isolated};
            }),
            py::arg("numel"), py::arg("element_size"), py::arg("dtype"),
-           py::arg("device"), py::arg("requires_grad") = true)
+           py::arg("device"), py::arg("requires_grad") = true, py::arg("isolated") = false)
       .def_readonly("numel", &core::ParamSpec::numel)
       .def_readonly("element_size", &core::ParamSpec::element_size);
 
@@ -42,7 +42,8 @@ void bind_core(py::module_& m) {
       .def_readonly("numel", &core::Bucket::numel)
       .def_readonly("bytes", &core::Bucket::bytes)
       .def_readonly("dtype", &core::Bucket::dtype)
-      .def_readonly("device", &core::Bucket::device);
+      .def_readonly("device", &core::Bucket::device)
+      .def_readonly("isolated", &core::Bucket::isolated);
 
   py::class_<core::BucketPlan>(m, "BucketPlan")
       .def_readonly("buckets", &core::BucketPlan::buckets)

@@ -46,6 +46,20 @@ BucketPlan plan_buckets(
     }
     const auto key = std::make_pair(p.dtype, p.device);
     const int64_t bytes = p.numel * p.element_size;
+    if (p.isolated) {
+      Bucket b;
+      b.dtype = p.dtype;
+      b.device = p.device;
+      b.isolated = true;
+      b.params.push_back(i);
+      b.offsets.push_back(0);
+      b.numel = p.numel;
+      b.bytes = bytes;
+      plan.bucket_of_param[static_cast<size_t>(i)] = static_cast<int64_t>(plan.buckets.size());
+      plan.offset_of_param[static_cast<size_t>(i)] = 0;
+      plan.buckets.push_back(std::move(b));
+      continue;
+    }
     auto cap_of = [&](const Group& g) {
       return first_closed[g] ? bucket_cap_bytes : first_bucket_cap_bytes;
     };
@@ -88,7 +102,7 @@ std::string BucketPlan::describe() const {
     out += "bucket " + std::to_string(i) + ": " + std::to_string(b.params.size()) +
         " params, " + std::to_string(b.numel) + " elements, " + std::to_string(b.bytes) +
         " bytes, dtype " + std::to_string(b.dtype) + ", device " +
-        std::to_string(b.device) + "\n";
+        std::to_string(b.device) + (b.isolated ? ", isolated" : "") + "\n";
   }
   return out;
 }

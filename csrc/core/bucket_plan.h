@@ -20,6 +20,10 @@ struct ParamSpec {
   int dtype = 0;
   int device = 0;
   bool requires_grad = true;
+  // Reduced on its own, never sharing a bucket: sparse gradients (DDP's
+  // expect_sparse_gradient) and parameters reduced outside the graph, so that
+  // a bucket leaving the graph takes no other parameter with it.
+  bool isolated = false;
 };
 
 struct Bucket {
@@ -29,6 +33,7 @@ struct Bucket {
   int64_t bytes = 0;
   int dtype = 0;
   int device = 0;
+  bool isolated = false;  // holds exactly one ParamSpec with isolated = true
 };
 
 struct BucketPlan {
@@ -48,6 +53,8 @@ struct BucketPlan {
 // bucket once adding the next parameter would exceed the cap. The first bucket
 // uses `first_bucket_cap_bytes` (DDP: 1 MiB) so the first all-reduce starts
 // early in backward. A parameter larger than the cap gets a bucket of its own.
+// An isolated parameter gets a bucket of its own where it is met in that walk
+// and leaves its group's open bucket open (DDP does the same for sparse ones).
 // Throws std::invalid_argument for non-positive caps or negative sizes.
 BucketPlan plan_buckets(
     const std::vector<ParamSpec>& params,

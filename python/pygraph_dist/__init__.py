@@ -94,6 +94,11 @@ def wrap(
     replay_timeout: float | None = None,
     process_group=None,
     monitor: bool = True,
+    eager_params: tuple[str, ...] | list[str] = (),
+    select: bool = True,
+    select_margin: float = 0.02,
+    pad_batch_to: tuple[int, ...] | list[int] = (),
+    pad_value=0,
 ) -> tuple[GraphedModule, torch.optim.Optimizer]:
     """Wrap a model and its optimizer for graphed data-parallel training.
 
@@ -111,6 +116,21 @@ def wrap(
         broadcast_buffers: rank 0's buffers at every forward, like DDP.
         replay_timeout: seconds before a stuck replay ends the process (0 = off;
             default: the process group's timeout).
+        eager_params: names of parameters (as in ``named_parameters()``) whose
+            gradient all-reduce runs outside the graph, in a bucket of its own;
+            the iteration is then captured as two graphs with that reduction
+            between them. Sparse embedding weights (``nn.Embedding(sparse=True)``)
+            are handled that way automatically, and their update runs eagerly.
+        select / select_margin: time the eager warm-up and the first replays,
+            and keep a graph only if it is faster than eager by the margin
+            (maxima over ranks, so every rank decides alike). ``select=False``
+            keeps every graph that captures.
+        pad_batch_to: batch sizes to pad dim 0 of the inputs up to (e.g.
+            ``(32, 64)``), so that a short last batch reuses a graph. Off by
+            default: padded rows change the loss unless they are masked, e.g.
+            ``pad_value=(0, -100)`` fills targets with cross-entropy's
+            ``ignore_index``. A batch above the largest size is not padded.
+        pad_value: fill value, or one per positional argument.
 
     Returns ``(GraphedModule, optimizer)``; the optimizer is the same object,
     made capturable and routed through the engine.
@@ -119,7 +139,9 @@ def wrap(
         loss_fn=loss_fn, amp=amp, bucket_cap_mb=bucket_cap_mb, warmup=warmup, probe=probe,
         graphs=graphs, max_grad_norm=max_grad_norm, max_graphs=max_graphs,
         graph_memory_mb=graph_memory_mb, broadcast_buffers=broadcast_buffers,
-        replay_timeout=replay_timeout, monitor=monitor,
+        replay_timeout=replay_timeout, monitor=monitor, eager_params=tuple(eager_params),
+        select=select, select_margin=select_margin, pad_batch_to=tuple(sorted(pad_batch_to)),
+        pad_value=tuple(pad_value) if isinstance(pad_value, (list, tuple)) else pad_value,
     )
     engine = Engine(model, optimizer, config, process_group)
     return GraphedModule(model, engine), optimizer

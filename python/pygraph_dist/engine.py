@@ -30,6 +30,19 @@ iteration goes through the phases of the core's ``CapturePolicy``:
   passes them), one ``graph.replay()``, and a fresh tensor holding the loss.
 * **eager**: training as written, for good; the reason is in ``report()``.
 
+Segments: when some gradient buckets cannot be reduced inside a graph
+(sparse embedding gradients, ``eager_params``, a bucket whose all-reduce
+failed capture), the iteration is captured as two graphs sharing the pool —
+forward + backward with the other buckets' all-reduces, then clipping + the
+optimizer step — and those buckets are reduced eagerly between them (sparse
+parameters are also stepped eagerly, after the step graph). Every rank runs
+the same split: it follows from the bucket plan, and the split is part of the
+configuration digest the ranks agree on before the first replay.
+
+Selection (``select=True``): warm-up iterations and the first replays are
+timed (synchronised); the maxima over ranks are compared, and a graph that
+is not faster than eager by ``select_margin`` is dropped on every rank.
+
 Numerics: warm-up, eager and replay run the same kernels in the same order,
 so graphed training is bitwise identical to the engine's eager mode
 (``graphs=False``); tests check that against a 2-rank reference.
@@ -61,7 +74,7 @@ from .amp import ScaleGrad, ensure_scale_initialised, make_grad_scaler, parse_am
 from .backend import graph_safe_backend
 from .monitor import LoopMonitor, storage_ptr, user_location
 from .optim import hyperparams_drift, make_graph_aware, prepare_optimizer, snapshot_hyperparams
-from .reducer import GradientReducer
+from .reducer import SPARSE, BucketCaptureError, GradientReducer
 from .watchdog import ReplayWatchdog
 
 logger = logging.getLogger("pygraph_dist")
@@ -93,6 +106,14 @@ class WrapConfig:
     broadcast_buffers: bool = True
     replay_timeout: float | None = None
     monitor: bool = True
+    eager_params: tuple[str, ...] = ()
+    select: bool = True
+    select_margin: float = 0.02
+    pad_batch_to: tuple[int, ...] = ()
+    pad_value: Any = 0
+
+
+SELECT_REPLAYS = 3  # timed replays before the keep-or-drop decision
 
 
 @dataclass
@@ -102,7 +123,16 @@ class GraphEntry:
     key: tuple
     description: str
     policy: Any  # C.CapturePolicy
-    graph: torch.cuda.CUDAGraph | None = None
+    graph: torch.cuda.CUDAGraph | None = None  # the whole iteration, or forward + backward
+    step_graph: torch.cuda.CUDAGraph | None = None  # segmented: clipping + optimizer step
+    eager_buckets: tuple = ()  # buckets reduced between the two graphs
+    sparse_grads: dict = field(default_factory=dict)  # param index -> captured local sparse grad
+    unused_seen: set = field(default_factory=set)  # sets of params without a gradient, per iteration
+    eager_times: list = field(default_factory=list)  # seconds per timed warm-up iteration
+    replay_times: list = field(default_factory=list)  # seconds per timed replay
+    selection: str = ""  # "kept: ..." / "dropped: ..." once decided
+    eager_ms: float = 0.0  # agreed timings the selection used
+    replay_ms: float = 0.0
     static: Any = None  # (args, kwargs) with device tensors the graph reads
     static_leaves: list = field(default_factory=list)
     static_loss: torch.Tensor | None = None
@@ -205,6 +235,10 @@ class Engine:
             )
         if getattr(optimizer, "_pgd_engine", None) is not None:
             raise ValueError("this optimizer is already wrapped by pygraph_dist.wrap()")
+        if not 0.0 <= config.select_margin < 1.0:
+            raise ValueError(f"select_margin must be in [0, 1), got {config.select_margin}")
+        if any(not isinstance(b, int) or b <= 0 for b in config.pad_batch_to):
+            raise ValueError(f"pad_batch_to takes positive batch sizes, got {config.pad_batch_to}")
         self.module = module
         self.optimizer = optimizer
         self.config = config
@@ -245,7 +279,11 @@ class Engine:
             ensure_scale_initialised(self.grad_scaler, self.device)
         self._base_cls = type(optimizer)
         self.delegating_step = False
-        self.reducer = GradientReducer(named, self.group, config.bucket_cap_mb)
+        sparse = _sparse_param_names(module, {n for n, _ in named})
+        if sparse:
+            _check_sparse_support(sparse, optimizer, self.amp, config)
+        self.reducer = GradientReducer(named, self.group, config.bucket_cap_mb,
+                                       sparse=sparse, eager=config.eager_params)
         self.reducer.on_finalize = self._on_backward_finished
         self._sync_module_states()
         make_graph_aware(optimizer, self)
@@ -294,6 +332,8 @@ class Engine:
             # Evaluation, or after teardown (no process group left): the module as is.
             return self._evaluate(args, kwargs)
         self._begin_iteration()
+        if self.config.pad_batch_to:
+            args, kwargs = _pad_batch(args, kwargs, self.config.pad_batch_to, self.config.pad_value)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         entry = self._entry_for(leaves, spec)
         if entry.policy.phase == Phase.REPLAY:
@@ -314,10 +354,65 @@ class Engine:
             if not entry.first_seen_s:
                 entry.first_seen_s = time.perf_counter()
             entry.warmups += 1
-            return self._hand_out(self._run_owned(self._to_device(args, kwargs)))
+            with self._timed(entry.eager_times, self._selecting(entry)):
+                loss = self._run_owned(self._to_device(args, kwargs))
+            return self._hand_out(loss)
         if phase == Phase.CAPTURE:
             return self._capture(entry, args, kwargs)
+        if self._selecting(entry):
+            with self._timed(entry.replay_times, True):
+                out = self._replay(entry, leaves)
+            if len(entry.replay_times) >= SELECT_REPLAYS:
+                self._select(entry)
+            return out
         return self._replay(entry, leaves)
+
+    # ========================================================== selection
+    def _selecting(self, entry: GraphEntry) -> bool:
+        return self.config.select and self.graphs_possible and not entry.selection
+
+    @contextlib.contextmanager
+    def _timed(self, into: list, enabled: bool):
+        """Wall time of the block, synchronised before and after, appended to ``into``."""
+        if not enabled:
+            yield
+            return
+        torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        yield
+        torch.cuda.synchronize(self.device)
+        into.append(time.perf_counter() - t0)
+
+    def _select(self, entry: GraphEntry) -> None:
+        """Keep the graph only if its replay beats the eager iteration by the margin.
+
+        Every rank uses the maxima over ranks (an iteration takes as long as its
+        slowest rank), so every rank takes the same decision."""
+        # The first warm-up iteration carries lazy initialisation: leave it out when there are others.
+        eager_local = min(entry.eager_times[1:] or entry.eager_times or [0.0])
+        replay_local = min(entry.replay_times)
+        t = torch.tensor([int(eager_local * 1e6), int(replay_local * 1e6)], dtype=torch.int64,
+                         device=self.agree_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        eager_us, replay_us = t.tolist()
+        entry.eager_ms, entry.replay_ms = eager_us / 1e3, replay_us / 1e3
+        if eager_us == 0:
+            entry.selection = "kept (no eager iteration was timed)"
+            return
+        margin = self.config.select_margin
+        text = (f"replay {replay_us / 1e3:.2f} ms vs eager {eager_us / 1e3:.2f} ms "
+                f"({eager_us / max(replay_us, 1):.2f}x, max over ranks, synchronised)")
+        if replay_us <= eager_us * (1.0 - margin):
+            entry.selection = f"kept: {text}"
+            self._event(entry, "selected", entry.selection)
+            return
+        entry.selection = f"dropped: {text}"
+        self._release(entry)
+        entry.policy.reject(f"the graph is not faster than eager by {margin:.0%} "
+                            f"(select_margin): {text}")
+        self._event(entry, "not selected", entry.policy.reason)
+        if self.rank == 0:
+            logger.info("graph for [%s] dropped: %s", entry.description, entry.policy.reason)
 
     def _begin_iteration(self) -> None:
         if self.stage is not Stage.IDLE:
@@ -459,6 +554,8 @@ class Engine:
         return False  # the graph (or the owned iteration) already ran it
 
     def _on_backward_finished(self) -> None:
+        if self._entry is not None:
+            self._entry.unused_seen.add(self.reducer.last_unused)
         if self.mode == "user":
             self.stage = Stage.BACKWARD
 
@@ -564,6 +661,11 @@ class Engine:
 
     def _body(self, inputs) -> torch.Tensor:
         """What a graph contains: forward, loss, backward + reduction, clipping, step."""
+        loss = self._forward_backward(inputs)
+        self._apply_step(None)
+        return loss
+
+    def _forward_backward(self, inputs) -> torch.Tensor:
         args, kwargs = inputs
         self.reducer.enabled = True
         self._broadcast_buffers()
@@ -572,8 +674,43 @@ class Engine:
         scaled = ScaleGrad.apply(loss, self.grad_scaler._scale) if self.grad_scaler is not None else loss
         scaled.backward()
         self.reducer.finish_pending()
-        self._apply_step(None)
         return loss.detach()
+
+    def _capture_segments(self, entry: GraphEntry, graph, static):
+        """Record the iteration: one graph, or forward+backward and step graphs."""
+        if not entry.eager_buckets:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
+                                  capture_error_mode="thread_local"):
+                return self._body(static), None
+        self.reducer.defer_eager = True
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
+                                  capture_error_mode="thread_local"):
+                loss = self._forward_backward(static)
+        finally:
+            self.reducer.defer_eager = False
+        entry.sparse_grads = {i: self.reducer.params[i].grad
+                              for i, s in enumerate(self.reducer.is_sparse) if s}
+        step_graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(step_graph, pool=self.pool, stream=self.stream,
+                                  capture_error_mode="thread_local"):
+                self._apply_step(None, part="graphed")
+        except BaseException:
+            _discard(step_graph)
+            raise
+        return loss, step_graph
+
+    def _launch(self, entry: GraphEntry) -> None:
+        """Run one captured iteration on the current stream: the graph, or the
+        segments with the eager reductions (and sparse steps) between them."""
+        entry.graph.replay()
+        if entry.step_graph is None:
+            return
+        self.reducer.reduce_eager(entry.eager_buckets, entry.sparse_grads)
+        entry.step_graph.replay()
+        if self.reducer.sparse_params:
+            self._apply_step(None, part="sparse")
 
     def _capture(self, entry: GraphEntry, args, kwargs):
         self.mode = "owned"
@@ -584,6 +721,8 @@ class Engine:
         generator = torch.cuda.default_generators[self.device.index or 0]
         rng_snapshot = generator.clone_state()
         graph = torch.cuda.CUDAGraph()
+        step_graph = None
+        entry.eager_buckets = self.reducer.eager_buckets
         self._clear_grads()
         if self.fp_backend is not None:
             self.fp_backend.start_recording()
@@ -592,9 +731,7 @@ class Engine:
         error: BaseException | None = None
         static_loss = None
         try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
-                                  capture_error_mode="thread_local"):
-                static_loss = self._body(static)
+            static_loss, step_graph = self._capture_segments(entry, graph, static)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an agreed fallback
             error = exc
         finally:
@@ -606,9 +743,12 @@ class Engine:
         reason, retryable = _describe_capture_error(error)
         if error is not None and "host synchronisation" in reason and self.sync_sites:
             reason += f"; the probe saw host syncs in forward at {', '.join(self.sync_sites[:3])}"
+        paths = _varying_paths(entry.unused_seen) if error is None else ""
+        if paths:
+            reason, retryable = paths, False
         config_text = self._config_text(entry)
         verdict = agreement.agree(
-            ok=error is None,
+            ok=error is None and not paths,
             reason=reason,
             digests=[fingerprint.digest if fingerprint is not None else 0, _digest(config_text)],
             group=self.group,
@@ -622,7 +762,14 @@ class Engine:
             if error is None:
                 self._restore_after_failed_capture(generator, rng_snapshot)
             _discard(graph)
-            entry.policy.capture_failed(verdict.reason, not verdict.final)
+            _discard(step_graph)
+            entry.sparse_grads = {}
+            # A bucket whose all-reduce failed capture on any rank leaves the
+            # graph on every rank (agreed), and the next capture is segmented.
+            failed = self._agreed_failed_buckets(error)
+            for b in failed:
+                self.reducer.set_eager(b, f"its all-reduce failed capture: {verdict.reason}")
+            entry.policy.capture_failed(verdict.reason, bool(failed) or not verdict.final)
             nxt = "will retry after warm-up" if entry.policy.phase != Phase.EAGER else "running eagerly"
             self._event(entry, "capture failed", f"{verdict.reason} ({nxt})")
             if self.rank == 0 or error is not None:
@@ -633,6 +780,7 @@ class Engine:
 
         pool_bytes = self._agreed_max(torch.cuda.memory_reserved(self.device) - reserved0)
         entry.graph = graph
+        entry.step_graph = step_graph
         entry.static_loss = static_loss
         entry.collectives = fingerprint.describe(4) if fingerprint is not None else "not recorded (stock backend)"
         entry.n_collectives = len(fingerprint) if fingerprint is not None else -1
@@ -645,11 +793,12 @@ class Engine:
         self._enforce_cache_limits(entry)
         if entry.graph is None:  # did not fit the memory cap
             return self._hand_out(self._run_owned(static))
-        graph.replay()  # capture records without running: this performs the iteration
+        with torch.cuda.stream(self.stream):
+            self._launch(entry)  # capture records without running: this performs the iteration
         torch.cuda.synchronize(self.device)
         entry.setup_s = time.perf_counter() - (entry.first_seen_s or t0)
-        self._event(entry, "captured", f"{entry.collectives}; capture {entry.capture_s * 1e3:.0f} ms, "
-                    f"pool {entry.pool_bytes / 2**20:.1f} MiB")
+        self._event(entry, "captured", f"{entry.collectives}; {self._describe_segments(entry)}; capture "
+                    f"{entry.capture_s * 1e3:.0f} ms, pool {entry.pool_bytes / 2**20:.1f} MiB")
         if self.rank == 0:
             logger.info("captured [%s]: %s, capture %.0f ms, setup %.2f s",
                         entry.description, entry.collectives, entry.capture_s * 1e3, entry.setup_s)
@@ -664,7 +813,7 @@ class Engine:
         for p, view in zip(self.reducer.params, self.reducer.views):
             if p.grad is not view and view is not None:
                 p.grad = view  # the user set it to None; the graph writes the view
-        entry.graph.replay()
+        self._launch(entry)
         self.watchdog.after_replay(f"[{entry.description}] at iteration {self.iteration}")
         return self._hand_out(entry.static_loss)
 
@@ -693,8 +842,30 @@ class Engine:
         out = self.module(*args[:-1], **kwargs)
         return _extract_loss(loss_fn(out, args[-1]), "loss_fn")
 
-    def _apply_step(self, closure):
-        """Clip (if configured), then step — through GradScaler for fp16."""
+    def _apply_step(self, closure, part: str = "all"):
+        """Clip (if configured), then step — through GradScaler for fp16.
+
+        With sparse parameters the step is split, always in the same way:
+        ``part="graphed"`` steps the dense parameters (the step graph),
+        ``part="sparse"`` the sparse ones (eagerly: sparse updates sync), and
+        ``"all"`` does both in that order, so eager and graphed training
+        run the same kernels. wrap() refuses clipping and fp16 with sparse
+        gradients, so both parts are plain optimizer steps."""
+        sparse = self.reducer.sparse_params
+        if sparse:
+            ids = {id(p) for p in sparse}
+            result = None
+            self.delegating_step = True
+            try:
+                if part in ("all", "graphed"):
+                    with _only_params(self.optimizer, lambda p: id(p) not in ids):
+                        result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+                if part in ("all", "sparse"):
+                    with _only_params(self.optimizer, lambda p: id(p) in ids):
+                        self.optimizer.step()
+            finally:
+                self.delegating_step = False
+            return result
         self.delegating_step = True
         try:
             if self.config.max_grad_norm is not None:
@@ -763,7 +934,34 @@ class Engine:
         hyper = [{k: (float(v.item()) if isinstance(v, torch.Tensor) and v.numel() == 1 else
                       (repr(v) if not isinstance(v, torch.Tensor) else "tensor"))
                   for k, v in g.items()} for g in snapshot_hyperparams(self.optimizer)]
-        return repr((entry.description, self.amp.name, self.config.max_grad_norm, hyper))
+        split = [(b, self.reducer.kinds[b]) for b in entry.eager_buckets]
+        return repr((entry.description, self.amp.name, self.config.max_grad_norm, hyper, split))
+
+    def _agreed_failed_buckets(self, error: BaseException | None) -> list[int]:
+        """Buckets whose all-reduce failed capture on any rank (MAX over ranks).
+        Called by every rank after a failed agreement, so the collective matches."""
+        n = len(self.reducer.buffers)
+        if n == 0:
+            return []
+        flags = torch.zeros(n, dtype=torch.int64, device=self.agree_device)
+        bucket = _failed_bucket(error)
+        if bucket is not None:
+            flags[bucket] = 1
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return [b for b, f in enumerate(flags.tolist()) if f]
+
+    def _describe_segments(self, entry: GraphEntry) -> str:
+        if entry.graph is None and entry.step_graph is None:
+            return "no graph"
+        if entry.step_graph is None:
+            return "1 graph (whole iteration)"
+        kinds = [self.reducer.kinds[b] for b in entry.eager_buckets]
+        sparse = kinds.count(SPARSE)
+        parts = [f"bucket{'s' if len(kinds) > 1 else ''} {', '.join(map(str, entry.eager_buckets))} "
+                 f"reduced eagerly between them"]
+        if sparse:
+            parts.append(f"{sparse} sparse parameter{'s' if sparse > 1 else ''} stepped eagerly after")
+        return "2 graphs (forward+backward, step); " + "; ".join(parts)
 
     def _restore_after_failed_capture(self, generator, rng_snapshot) -> None:
         """Undo what a failed capture leaves behind. A capture that dies before
@@ -792,10 +990,16 @@ class Engine:
             return "a parameter's storage was replaced (for example load_state_dict(assign=True) or p.data = ...)"
         return hyperparams_drift(self.optimizer, entry.hyper_snapshot, self.opt_plan.lr_tensors)
 
-    def _invalidate(self, entry: GraphEntry, reason: str) -> None:
+    def _release(self, entry: GraphEntry) -> None:
         _discard(entry.graph)
+        _discard(entry.step_graph)
         entry.graph = None
+        entry.step_graph = None
+        entry.sparse_grads = {}
         entry.static_loss = None
+
+    def _invalidate(self, entry: GraphEntry, reason: str) -> None:
+        self._release(entry)
         entry.first_seen_s = 0.0
         entry.policy.invalidate(reason)
         nxt = "capturing again after warm-up" if entry.policy.phase != Phase.EAGER else "running eagerly"
@@ -810,8 +1014,7 @@ class Engine:
         cap = self.config.graph_memory_mb
         cap_bytes = None if cap is None else int(cap * 2**20)
         if cap_bytes is not None and newest.pool_bytes > cap_bytes:
-            _discard(newest.graph)
-            newest.graph = None
+            self._release(newest)
             newest.policy.reject(
                 f"its graph needs {newest.pool_bytes / 2**20:.0f} MiB, above graph_memory_mb={cap:g}"
             )
@@ -836,7 +1039,7 @@ class Engine:
         self.opt_state_version += 1
 
     def owned_storages(self) -> set[int]:
-        tensors = list(self.reducer.params) + list(self.reducer.buffers)
+        tensors = list(self.reducer.params) + [b for b in self.reducer.buffers if b is not None]
         for state in self.optimizer.state.values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
         tensors += [t for t in self.opt_plan.lr_tensors if t is not None]
@@ -879,8 +1082,7 @@ class Engine:
         released = False
         for entry in self.entries.values():
             if entry.graph is not None:
-                _discard(entry.graph)
-                entry.graph = None
+                self._release(entry)
                 entry.policy.disable("pygraph_dist was torn down (destroy_process_group or exit)")
                 released = True
         if released and torch.cuda.is_available():
@@ -890,6 +1092,96 @@ class Engine:
         self.group = None
         self.fp_backend = None
         self.optimizer.__dict__.pop("_pgd_engine", None)
+
+
+def _sparse_param_names(module: nn.Module, trainable: set[str]) -> list[str]:
+    """Weights of nn.Embedding / nn.EmbeddingBag(sparse=True): their gradients are sparse."""
+    names = []
+    for prefix, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+            name = f"{prefix}.weight" if prefix else "weight"
+            if name in trainable:
+                names.append(name)
+    return names
+
+
+def _check_sparse_support(sparse: list[str], optimizer, amp, config: WrapConfig) -> None:
+    what = f"sparse gradients ({', '.join(sparse[:3])})"
+    if amp.needs_grad_scaler:
+        raise ValueError(f"amp='fp16' with {what} is not supported: loss scaling would have to "
+                         "unscale sparse gradients outside the graph. Use amp='bf16' or fp32, or "
+                         "nn.Embedding(sparse=False).")
+    if config.max_grad_norm is not None:
+        raise ValueError(f"max_grad_norm with {what} is not supported: the global norm needs the "
+                         "sparse gradients, which are reduced outside the graph. Clip without "
+                         "sparse embeddings, or use nn.Embedding(sparse=False).")
+    if not isinstance(optimizer, (torch.optim.SGD, torch.optim.Adagrad)):
+        raise ValueError(f"{type(optimizer).__name__} does not take {what}; use torch.optim.SGD "
+                         "or Adagrad, or nn.Embedding(sparse=False).")
+
+
+@contextlib.contextmanager
+def _only_params(optimizer: torch.optim.Optimizer, keep: Callable[[torch.Tensor], bool]):
+    """Let ``optimizer.step()`` see only the parameters ``keep`` selects.
+    Per-parameter optimizers (all that wrap() accepts with sparse gradients)
+    update each parameter from its own state, so a split step is the same step."""
+    saved = [g["params"] for g in optimizer.param_groups]
+    try:
+        for g in optimizer.param_groups:
+            g["params"] = [p for p in g["params"] if keep(p)]
+        yield
+    finally:
+        for g, params in zip(optimizer.param_groups, saved):
+            g["params"] = params
+
+
+def _pad_batch(args: tuple, kwargs: dict, sizes: tuple[int, ...], value) -> tuple[tuple, dict]:
+    """Pad dim 0 of every tensor with the call's batch size up to the next size in ``sizes``.
+
+    ``value`` is one fill value, or one per positional argument (e.g. ``(0, -100)``:
+    targets filled with cross-entropy's ignore_index, so padded rows add nothing
+    to a mean loss). Keyword tensors are filled with 0 (or the scalar value)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]
+    if not tensors:
+        return args, kwargs
+    batch = tensors[0].shape[0]
+    target = min((s for s in sizes if s >= batch), default=None)
+    if target is None or target == batch:
+        return args, kwargs
+    per_arg = isinstance(value, (tuple, list))
+
+    def pad(t, fill):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch:
+            return t
+        extra = t.new_full((target - batch, *t.shape[1:]), fill)
+        return torch.cat([t, extra], dim=0)
+
+    new_args = tuple(pad(a, value[i] if per_arg and i < len(value) else (0 if per_arg else value))
+                     for i, a in enumerate(args))
+    new_kwargs = {k: pad(v, 0 if per_arg else value) for k, v in kwargs.items()}
+    return new_args, new_kwargs
+
+
+def _varying_paths(unused_seen: set) -> str:
+    """Non-empty when the set of parameters without a gradient changed between iterations."""
+    if len(unused_seen) <= 1:
+        return ""
+    sets = list(unused_seen)
+    varying = sorted(set().union(*sets) - set.intersection(*map(set, sets)))
+    shown = ", ".join(varying[:4]) + (f" +{len(varying) - 4}" if len(varying) > 4 else "")
+    return (f"parameter(s) {shown} received gradients in some iterations and not in others: the "
+            "forward pass takes data- or step-dependent paths, and a graph would replay one path "
+            "for ever. Make the forward take the same path every iteration (a bucket cannot leave "
+            "the graph for this: the forward itself would be frozen)")
+
+
+def _failed_bucket(error: BaseException | None) -> int | None:
+    e, seen = error, 0
+    while e is not None and seen < 6:
+        if isinstance(e, BucketCaptureError):
+            return e.bucket
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
 
 
 def _discard(graph: torch.cuda.CUDAGraph | None) -> None:
@@ -905,6 +1197,11 @@ def _describe_capture_error(error: BaseException | None) -> tuple[str, bool]:
     """(reason, retryable) for a local capture failure."""
     if error is None:
         return "", True
+    if _failed_bucket(error) is not None:
+        e = error
+        while not isinstance(e, BucketCaptureError):
+            e = e.__cause__ or e.__context__
+        return str(e), True
     # torch.cuda.graph.__exit__ ends the capture even when the body raised, so
     # the error we catch may be capture_end's; the cause is in the chain.
     chain, e = [], error

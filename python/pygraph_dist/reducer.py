@@ -23,13 +23,30 @@ plain autograd hooks and c10d calls, so a capture records exactly its kernels:
 A parameter that produced no gradient in a backward pass contributes zeros to
 its bucket (its slot is cleared), and its ``.grad`` is still set to the
 reduced value so that every rank applies the same update.
+
+Buckets that leave the graph ("eager buckets") are reduced *after* every
+graph bucket, in bucket order, at the end of backward — in eager iterations
+by the end-of-backward callback itself, in segmented graphs between the
+forward/backward graph and the step graph (``reduce_eager``). The rule is
+the same in every mode, so collectives run in the same order on every rank
+and eager and graphed training do the same arithmetic. Two kinds:
+
+* ``sparse``: the weight of ``nn.Embedding``/``nn.EmbeddingBag(sparse=True)``
+  (planned alone, like DDP's ``expect_sparse_gradient``). Its gradient's
+  indices and values are all-gathered — sizes first, because the number of
+  entries may differ per rank — scaled by 1/world_size and coalesced.
+  NCCL cannot all-reduce sparse tensors, and the sizes exchange is a host
+  sync, so this cannot be captured.
+* ``eager``: a dense bucket whose all-reduce must not be captured (named in
+  ``wrap(..., eager_params=...)``, or one whose collective failed capture).
+  Backward still writes its flat buffer; only the all-reduce runs eagerly.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,7 +60,19 @@ DEFAULT_FIRST_BUCKET_MB = 1.0  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 
 
 class UnsupportedGradientError(RuntimeError):
-    """A gradient the reducer cannot reduce (sparse, or on another device than planned)."""
+    """A gradient the reducer cannot reduce (sparse where a dense one was planned, or the reverse)."""
+
+
+class BucketCaptureError(RuntimeError):
+    """A graph bucket's all-reduce failed while a graph was being captured."""
+
+    def __init__(self, bucket: int, cause: BaseException) -> None:
+        super().__init__(f"gradient bucket {bucket}: its all-reduce could not be captured: "
+                         f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
+        self.bucket = bucket
+
+
+GRAPH, EAGER, SPARSE = "graph", "eager", "sparse"
 
 
 class GradientReducer:
@@ -53,40 +82,67 @@ class GradientReducer:
         group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = DEFAULT_FIRST_BUCKET_MB,
+        *,
+        sparse: Collection[str] = (),
+        eager: Collection[str] = (),
     ) -> None:
+        """``sparse``: names of parameters whose gradients are sparse; ``eager``:
+        names of dense parameters reduced outside the graph. Both get buckets
+        of their own."""
         self.group = group if group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group)
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
+        unknown = (set(sparse) | set(eager)) - set(self.names)
+        if unknown:
+            raise ValueError(f"no parameter requiring grad is named {sorted(unknown)}; names are "
+                             f"those of module.named_parameters(), e.g. {self.names[:3]}")
+        self.is_sparse = [n in sparse for n in self.names]
         devices = sorted({str(p.device) for p in self.params}, key=str)
         self._device_code = {d: i for i, d in enumerate(devices)}
         specs = [
             C.ParamSpec(
                 p.numel(), p.element_size(), _dtype_code(p.dtype),
                 self._device_code[str(p.device)], p.requires_grad,
+                isolated=n in sparse or n in eager,
             )
-            for p in self.params
+            for n, p in zip(self.names, self.params)
         ]
         cap = max(1, int(bucket_cap_mb * 2**20))
         first = max(1, int(min(first_bucket_cap_mb, bucket_cap_mb) * 2**20))
         self.plan = C.plan_buckets(specs, cap, first)
 
-        self.buffers: list[torch.Tensor] = []
+        # Dense buckets own a flat buffer; a sparse bucket has none (its
+        # gradient keeps its own indices and values).
+        self.buffers: list[torch.Tensor | None] = []
         self.bucket_params: list[list[int]] = []
+        self.kinds: list[str] = []
+        self.eager_reasons: dict[int, str] = {}
         for b in self.plan.buckets:
             p0 = self.params[b.params[0]]
-            self.buffers.append(torch.zeros(b.numel, dtype=p0.dtype, device=p0.device))
+            sparse_bucket = self.is_sparse[b.params[0]]
+            self.buffers.append(None if sparse_bucket else torch.zeros(b.numel, dtype=p0.dtype, device=p0.device))
             self.bucket_params.append(list(b.params))
+            self.kinds.append(SPARSE if sparse_bucket else GRAPH)
         self.views: list[torch.Tensor | None] = [None] * len(self.params)
         self.bucket_of: list[int] = list(self.plan.bucket_of_param)
         for i, p in enumerate(self.params):
             b = self.bucket_of[i]
-            if b >= 0:
+            if b >= 0 and self.buffers[b] is not None:
                 self.views[i] = _bucket_view(self.buffers[b], p, self.plan.offset_of_param[i])
+        for b, kind in enumerate(self.kinds):
+            if kind == SPARSE:
+                self.eager_reasons[b] = "sparse gradient (all-gathered; NCCL has no sparse all-reduce)"
+            elif self.names[self.bucket_params[b][0]] in eager:
+                self.set_eager(b, "named in wrap(..., eager_params=...)")
 
         self.enabled = True
+        # Set by the engine while capturing a segmented iteration: eager
+        # buckets are then left for reduce_eager() between the graphs.
+        self.defer_eager = False
         self.on_finalize = None  # called after each completed reduction round
         self.rounds = 0  # completed backward passes
+        self.last_unused: frozenset[str] = frozenset()  # params without a gradient, last round
         self._reset_round()
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
@@ -108,14 +164,40 @@ class GradientReducer:
             h.remove()
         self._handles.clear()
 
+    def set_eager(self, b: int, reason: str) -> None:
+        """Take dense bucket ``b``'s all-reduce out of the graph (from the next capture on)."""
+        if self.kinds[b] == GRAPH:
+            self.kinds[b] = EAGER
+            self.eager_reasons[b] = reason
+
+    @property
+    def eager_buckets(self) -> tuple[int, ...]:
+        return tuple(b for b, k in enumerate(self.kinds) if k != GRAPH)
+
+    @property
+    def sparse_params(self) -> list[torch.nn.Parameter]:
+        return [p for p, s in zip(self.params, self.is_sparse) if s]
+
     def describe(self) -> str:
         sizes = [b.bytes for b in self.plan.buckets]
         if not sizes:
             return "no parameters require grad"
+        eager = self.eager_buckets
+        tail = f"; {len(eager)} reduced outside the graph" if eager else ""
         return (
             f"{len(sizes)} buckets, {sum(sizes) / 2**20:.1f} MiB in all "
-            f"(largest {max(sizes) / 2**20:.1f} MiB)"
+            f"(largest {max(sizes) / 2**20:.1f} MiB){tail}"
         )
+
+    def describe_eager(self) -> list[str]:
+        """One line per bucket that leaves the graph: what it holds and why."""
+        out = []
+        for b in self.eager_buckets:
+            names = [self.names[i] for i in self.bucket_params[b]]
+            shown = ", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "")
+            out.append(f"bucket {b} ({shown}; {self.plan.buckets[b].bytes / 2**20:.2f} MiB dense "
+                       f"size) {self.kinds[b]}: {self.eager_reasons.get(b, '')}")
+        return out
 
     # ---------------------------------------------------------------- hooks
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
@@ -127,16 +209,19 @@ class GradientReducer:
         grad = param.grad
         if grad is None:
             return
-        if grad.is_sparse:
+        if grad.is_sparse != self.is_sparse[index]:
             raise UnsupportedGradientError(
-                f"parameter '{self.names[index]}' produced a sparse gradient; pygraph_dist "
-                "reduces dense gradients only (use nn.Embedding(sparse=False))."
+                f"parameter '{self.names[index]}' produced a {'sparse' if grad.is_sparse else 'dense'} "
+                "gradient where a " + ("sparse" if self.is_sparse[index] else "dense") + " one was "
+                "planned. pygraph_dist plans sparse gradients for the weights of nn.Embedding and "
+                "nn.EmbeddingBag with sparse=True; other sources of sparse gradients are not supported."
             )
-        view = self.views[index]
-        if grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride():
-            view.mul_(1.0 / self.world_size)  # AccumulateGrad accumulated into the view
-        else:
-            torch.mul(grad, 1.0 / self.world_size, out=view)
+        if not grad.is_sparse:
+            view = self.views[index]
+            if grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride():
+                view.mul_(1.0 / self.world_size)  # AccumulateGrad accumulated into the view
+            else:
+                torch.mul(grad, 1.0 / self.world_size, out=view)
         self._got_grad[index] = True
         b = self.bucket_of[index]
         self._ready[b] += 1
@@ -151,31 +236,77 @@ class GradientReducer:
             self._launch(self._next_bucket)
 
     def _launch(self, b: int) -> None:
-        self._works.append(dist.all_reduce(self.buffers[b], group=self.group, async_op=True))
+        """Graph buckets: all-reduce now (async). Eager buckets wait for the end of backward."""
         self._next_bucket = b + 1
+        if self.kinds[b] != GRAPH:
+            return
+        try:
+            self._works.append(self._all_reduce(b))
+        except Exception as exc:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise BucketCaptureError(b, exc) from exc
+            raise
+
+    def _all_reduce(self, b: int):
+        return dist.all_reduce(self.buffers[b], group=self.group, async_op=True)
 
     def _finalize(self) -> None:
         """End of backward: reduce what is left, wait, expose the reduced grads."""
         try:
-            for b in range(self._next_bucket, len(self.buffers)):
+            for b in range(len(self.buffers)):
                 if self._ready[b] < len(self.bucket_params[b]):
                     self._clear_missing(b)
+            for b in range(self._next_bucket, len(self.buffers)):
                 self._launch(b)
             for work in self._works:
                 work.wait()  # on the stream backward was called from
             for i, view in enumerate(self.views):
                 if view is not None and self.params[i].grad is not view:
                     self.params[i].grad = view
+            self.last_unused = frozenset(
+                self.names[i] for i, got in enumerate(self._got_grad) if not got and self.params[i].requires_grad
+            )
+            if not self.defer_eager:
+                self.reduce_eager(self.eager_buckets)
         finally:
             self.rounds += 1
             self._reset_round()
         if self.on_finalize is not None:
             self.on_finalize()
 
+    def reduce_eager(self, buckets: Sequence[int], sparse_grads: dict[int, torch.Tensor] | None = None) -> None:
+        """All-reduce eager buckets now, in order, on the current stream.
+
+        ``sparse_grads`` (param index -> local sparse gradient) stands in for
+        ``param.grad``: after a graph replay the local gradient lives in the
+        tensor the capture produced, not in ``.grad``."""
+        for b in buckets:
+            if self.kinds[b] == SPARSE:
+                i = self.bucket_params[b][0]
+                grad = sparse_grads[i] if sparse_grads is not None else self.params[i].grad
+                self.params[i].grad = self._reduce_sparse(i, grad)
+            else:
+                dist.all_reduce(self.buffers[b], group=self.group, async_op=True).wait()
+
+    def _reduce_sparse(self, i: int, grad: torch.Tensor | None) -> torch.Tensor:
+        p = self.params[i]
+        if grad is None:  # unused on this rank: contributes nothing, still takes part
+            indices = torch.zeros(1, 0, dtype=torch.int64, device=p.device)
+            values = torch.zeros(0, *p.shape[1:], dtype=p.dtype, device=p.device)
+        else:
+            indices, values = grad._indices(), grad._values()
+        values = values * (1.0 / self.world_size)  # as dense gradients: scale, then sum
+        if self.world_size > 1:
+            indices, values = _all_gather_varying(indices, values, self.group)
+        return torch.sparse_coo_tensor(indices, values, p.shape).coalesce()
+
     def _clear_missing(self, b: int) -> None:
         for i in self.bucket_params[b]:
             if not self._got_grad[i]:
-                self.views[i].zero_()
+                if self.views[i] is not None:
+                    self.views[i].zero_()
+                elif self.params[i].grad is not None:
+                    self.params[i].grad = None  # a stale sparse gradient from an earlier step
                 name = self.names[i]
                 if name not in self.unused_warned:
                     self.unused_warned.add(name)
@@ -193,6 +324,27 @@ class GradientReducer:
     def abandon(self) -> None:
         """Forget a half-done reduction (e.g. after a failed capture): nothing was launched for real."""
         self._reset_round()
+
+
+def _all_gather_varying(indices: torch.Tensor, values: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's (indices, values), concatenated in rank order; ranks may hold
+    different numbers of entries, so the counts go first and the rest is padded."""
+    world = dist.get_world_size(group)
+    n = torch.tensor([indices.shape[1]], dtype=torch.int64, device=indices.device)
+    counts_t = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(counts_t, n, group=group)
+    counts = [int(c.item()) for c in counts_t]
+    most = max(counts)
+    pad = most - indices.shape[1]
+    if pad:
+        indices = torch.cat([indices, indices.new_zeros(indices.shape[0], pad)], dim=1)
+        values = torch.cat([values, values.new_zeros(pad, *values.shape[1:])], dim=0)
+    all_i = [torch.empty_like(indices) for _ in range(world)]
+    all_v = [torch.empty_like(values) for _ in range(world)]
+    dist.all_gather(all_i, indices.contiguous(), group=group)
+    dist.all_gather(all_v, values.contiguous(), group=group)
+    return (torch.cat([t[:, :c] for t, c in zip(all_i, counts)], dim=1),
+            torch.cat([t[:c] for t, c in zip(all_v, counts)], dim=0))
 
 
 def _dtype_code(dtype: torch.dtype) -> int:

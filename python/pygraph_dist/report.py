@@ -22,6 +22,10 @@ class GraphReport:
     capture_ms: float
     setup_s: float
     pool_mib: float
+    segments: str = ""    # "1 graph (whole iteration)" or the split and what runs eagerly
+    selection: str = ""   # "kept: replay .. vs eager .." / "dropped: ..." / "" (not decided)
+    eager_ms: float = 0.0
+    replay_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class ModelReport:
     optimizer_changes: list[str]
     buckets: str
     backend: str
+    eager_buckets: list[str] = field(default_factory=list)  # buckets outside the graph, and why
     graphs: list[GraphReport] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
 
@@ -67,6 +72,9 @@ class Report:
             if not m.graphs_possible:
                 lines.append(f"  graphs unavailable: {m.graphs_reason}")
             lines.append(f"  loop: {m.loop}")
+            if m.eager_buckets:
+                lines.append("  gradient buckets outside the graph:")
+                lines += [f"    {b}" for b in m.eager_buckets]
             header = (f"  {'inputs':<34} {'phase':<8} {'iters':>6} {'replays':>8} {'eager':>6} "
                       f"{'capture':>8} {'setup':>7} {'pool':>8}  collectives / reason")
             lines.append(header)
@@ -77,6 +85,10 @@ class Report:
                     f"{g.eager_iterations:>6} {g.capture_ms:>6.0f}ms {g.setup_s:>6.2f}s "
                     f"{g.pool_mib:>6.1f}Mi  {tail}"
                 )
+                if g.segments and g.segments != "1 graph (whole iteration)" and g.segments != "no graph":
+                    lines.append(f"      segments: {g.segments}")
+                if g.selection:
+                    lines.append(f"      selection: {g.selection}")
             if m.events:
                 lines.append("  events:")
                 for e in m.events[-12:]:
@@ -102,6 +114,10 @@ def model_report(engine) -> ModelReport:
             capture_ms=e.capture_s * 1e3,
             setup_s=e.setup_s,
             pool_mib=e.pool_bytes / 2**20,
+            segments=engine._describe_segments(e),
+            selection=e.selection,
+            eager_ms=e.eager_ms,
+            replay_ms=e.replay_ms,
         ))
     if engine.loop_violation:
         loop = f"not graphable: {engine.loop_violation}"
@@ -123,6 +139,7 @@ def model_report(engine) -> ModelReport:
         optimizer_changes=list(engine.opt_plan.changes),
         buckets=engine.reducer.describe(),
         backend=backend,
+        eager_buckets=engine.reducer.describe_eager(),
         graphs=graphs,
         events=list(engine.events),
     )

@@ -41,6 +41,26 @@ TEST(BucketPlan, FirstBucketIsSmall) {
   EXPECT_EQ(plan.buckets[1].params, (std::vector<int64_t>{4, 3, 2, 1, 0}));
 }
 
+TEST(BucketPlan, IsolatedParamAloneAndOpenBucketStaysOpen) {
+  // Params 0..3, 400 B each; param 2 is isolated (a sparse embedding).
+  std::vector<ParamSpec> params(4, f32(100));
+  params[2].isolated = true;
+  BucketPlan plan = plan_buckets(params, 2000, 2000);
+  ASSERT_EQ(plan.buckets.size(), 2u);
+  // Walk: 3 opens bucket 0; 2 gets bucket 1 alone; 1 and 0 join bucket 0.
+  EXPECT_EQ(plan.buckets[0].params, (std::vector<int64_t>{3, 1, 0}));
+  EXPECT_FALSE(plan.buckets[0].isolated);
+  EXPECT_EQ(plan.buckets[1].params, (std::vector<int64_t>{2}));
+  EXPECT_TRUE(plan.buckets[1].isolated);
+  EXPECT_EQ(plan.bucket_of_param[2], 1);
+  EXPECT_EQ(plan.offset_of_param[2], 0);
+  EXPECT_EQ(plan.offset_of_param[1], 100);
+  // A tiny isolated parameter still never shares.
+  std::vector<ParamSpec> two = {f32(1), f32(1)};
+  two[0].isolated = true;
+  EXPECT_EQ(plan_buckets(two, 2000, 2000).buckets.size(), 2u);
+}
+
 TEST(BucketPlan, OversizedParamGetsOwnBucket) {
   std::vector<ParamSpec> params = {f32(10), f32(10000), f32(10)};
   BucketPlan plan = plan_buckets(params, 1000, 1000);

@@ -64,6 +64,13 @@ def test_shapes_get_their_own_graphs_single_rank(ranks):
     assert len(graphs) == 6, graphs
     assert all(phase == "replay" for _, phase, _, _ in graphs), graphs
     assert r["bitwise"], r["max_diff"]
+    # A memory cap of half what six graphs took: live graphs stay within it (LRU out).
+    assert r["capped_live_mib"] <= r["cap_mib"], r
+    assert "invalidated" in r["capped_events"] or "not kept" in r["capped_events"], r["capped_events"]
+    assert r["capped_bitwise"]
+    # pad_batch_to=(8,): the short batches reuse the 8-row graphs.
+    assert len(r["padded_graphs"]) == 3 and all(p == "replay" for _, p, _ in r["padded_graphs"]), r
+    assert r["padded_bitwise"]
 
 
 @pytest.mark.gpu

@@ -24,6 +24,7 @@ from torch import nn
 
 import pygraph_dist as pgd
 from pygraph_dist import agreement
+from pygraph_dist import engine as pgd_engine
 from pygraph_dist.engine import _explain_mismatch
 from pygraph_dist.reducer import GradientReducer
 
@@ -467,10 +468,10 @@ def gpu_shapes(args):
             logits = self.net(tokens[:, :-1])
             return nn.functional.cross_entropy(logits.reshape(-1, 100), tokens[:, 1:].reshape(-1))
 
-    def run(graphs):
+    def run(graphs, **kw):
         torch.manual_seed(0)
         m = LM().to(dev)
-        model, opt = pgd.wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-3), graphs=graphs, warmup=2)
+        model, opt = pgd.wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-3), graphs=graphs, warmup=2, **kw)
         for step in range(60):
             seq = (16, 32, 64)[step % 3]
             batch = 8 if step % 10 != 9 else 5  # a short batch every 10th step
@@ -484,10 +485,27 @@ def gpu_shapes(args):
     graphed = run(True)
     rep = pgd.report().models[-1]
     eager = run(False)
+    # The same with a memory cap of half what the six graphs took: the live graphs
+    # stay within it (LRU out), training stays exact.
+    total_mib = sum(g.pool_mib for g in rep.graphs)
+    cap = total_mib / 2
+    capped = run(True, graph_memory_mb=cap)
+    capped_engine = next(e for e in pgd_engine._LIVE if e.module is capped)
+    live_mib = sum(e.pool_bytes for e in capped_engine.entries.values() if e.graph is not None) / 2**20
+    cap_rep = pgd.report().models[-1]
+    # Padding the short batch to 8 rows: 3 signatures instead of 6.
+    padded = run(True, pad_batch_to=(8,))
+    pad_rep = pgd.report().models[-1]
+    padded_eager = run(False, pad_batch_to=(8,))
     return {
         "graphs": [(g.inputs, g.phase, g.replays, g.eager_iterations) for g in rep.graphs],
         "bitwise": bool(torch.equal(flat_params(graphed), flat_params(eager))),
         "max_diff": max_diff(flat_params(graphed), flat_params(eager)),
+        "total_mib": total_mib, "cap_mib": cap, "capped_live_mib": live_mib,
+        "capped_events": [e["event"] for e in cap_rep.events],
+        "capped_bitwise": bool(torch.equal(flat_params(capped), flat_params(eager))),
+        "padded_graphs": [(g.inputs, g.phase, g.replays) for g in pad_rep.graphs],
+        "padded_bitwise": bool(torch.equal(flat_params(padded), flat_params(padded_eager))),
     }
 
 
@@ -526,6 +544,248 @@ def gpu_loop_checks(args):
     except pgd.LoopConformanceError as exc:
         out["after_capture_error"] = str(exc)
     return out
+
+
+# ------------------------------------------------- segments, padding, selection
+class SparseLM(nn.Module):
+    """A sparse embedding (its gradient is sparse) feeding dense layers."""
+
+    def __init__(self, vocab=200, width=32, classes=5, sparse=True):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width, sparse=sparse)
+        self.body = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, tokens, y):
+        return nn.functional.cross_entropy(self.head(self.body(self.emb(tokens).sum(1))), y)
+
+
+def token_data(step, rank, batch=16, seq=6, vocab=200, classes=5, device="cpu"):
+    g = torch.Generator().manual_seed(7919 * rank + step)
+    # A narrow range so that rows repeat within and across ranks (duplicate sparse indices).
+    tokens = torch.randint(0, vocab // 4, (batch, seq), generator=g)
+    return tokens.to(device), torch.randint(0, classes, (batch,), generator=g).to(device)
+
+
+def _train_tokens(model, opt, steps, rank, dev="cpu", batch_of=lambda step, rank: 16):
+    losses = []
+    for step in range(steps):
+        tokens, y = token_data(step, rank, batch=batch_of(step, rank), device=dev)
+        opt.zero_grad(set_to_none=True)
+        loss = model(tokens, y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@case
+def sparse_vs_ddp(args):
+    """Sparse embedding + a dense parameter reduced eagerly, on CPU: same training as DDP,
+    with ranks holding different numbers of sparse entries (different batch sizes)."""
+    pgd.init()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = SparseLM()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    model, opt = pgd.wrap(base, torch.optim.SGD(base.parameters(), lr=0.05), eager_params=["head.bias"])
+    batch_of = lambda step, r: 12 + 2 * r  # noqa: E731
+    ours = _train_tokens(model, opt, 6, rank, batch_of=batch_of)
+    theirs = _train_tokens(ref, ref_opt, 6, rank, batch_of=batch_of)
+    rep = pgd.report().models[0]
+    reducer = model.engine.reducer
+    return {
+        "max_param_diff": max_diff(flat_params(model.module), flat_params(ref.module)),
+        "losses": ours,
+        "ref_losses": theirs,
+        "ranks_agree": ranks_agree(flat_params(model.module), "cpu"),
+        "kinds": reducer.kinds,
+        "isolated": [b.isolated for b in reducer.plan.buckets],
+        "eager_buckets": rep.eager_buckets,
+        "buckets": rep.buckets,
+        "emb_grad_sparse": bool(base.emb.weight.grad is not None and base.emb.weight.grad.is_sparse),
+        "report": str(pgd.report()),
+    }
+
+
+@case
+def sparse_errors(args):
+    """What wrap() refuses with sparse gradients, and unknown eager_params names."""
+    pgd.init()
+    out = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+            out[key] = ""
+        except ValueError as exc:
+            out[key] = str(exc)
+
+    def wrap(**kw):
+        m = SparseLM()
+        opt = kw.pop("opt", None) or torch.optim.SGD(m.parameters(), lr=0.1)
+        if callable(opt):
+            opt = opt(m)
+        return pgd.wrap(m, opt, **kw)
+
+    attempt("adam", lambda: wrap(opt=lambda m: torch.optim.Adam(m.parameters())))
+    attempt("clip", lambda: wrap(max_grad_norm=1.0))
+    attempt("unknown", lambda: wrap(eager_params=["nope.weight"]))
+    attempt("margin", lambda: wrap(select_margin=1.5))
+    attempt("ok", lambda: wrap(eager_params=["body.0.weight"]))
+    return out
+
+
+@case
+def padding(args):
+    """pad_batch_to: a short batch reuses the padded signature; with targets filled
+    with ignore_index the loss is that of the unpadded batch."""
+    pgd.init()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = MLP(classes=5)
+    lin = copy.deepcopy(base)
+
+    class Logits(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return self.m.head(self.m.body(x))
+
+    ce = nn.functional.cross_entropy
+    model, opt = pgd.wrap(Logits(base), torch.optim.SGD(base.parameters(), lr=0.1), loss_fn=ce,
+                          pad_batch_to=(8, 16), pad_value=(0.0, -100))
+    ref = nn.parallel.DistributedDataParallel(Logits(lin))
+    ref_opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    losses, ref_losses = [], []
+    for step in range(6):
+        x, y = data(step, rank, batch=16 if step % 3 else 5)
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        ref_opt.zero_grad(set_to_none=True)
+        loss = ce(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    rep = pgd.report().models[0]
+    # Without a mask (targets padded with class 0) the loss of a short batch changes.
+    x, y = data(0, rank, batch=5)
+    frozen = Logits(copy.deepcopy(lin))
+    unmasked, _ = pgd.wrap(frozen, torch.optim.SGD(frozen.parameters(), lr=0.0),
+                           loss_fn=ce, pad_batch_to=(8,), pad_value=0)
+    return {
+        "signatures": [g.inputs for g in rep.graphs],
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "max_param_diff": max_diff(flat_params(base), flat_params(lin)),
+        "unmasked_loss": unmasked(x, y).item(),
+        "masked_loss": float(ce(ref.module(x), y)),
+    }
+
+
+@case
+def gpu_sparse_segments(args):
+    """Sparse embedding (eager, sparse) + a dense bucket named in eager_params: the
+    rest graphed as two segments; bitwise equal to eager pgd after N steps."""
+    pgd.init()
+    rank = dist.get_rank()
+    dev = device()
+
+    def run(graphs):
+        torch.manual_seed(0)
+        m = SparseLM().to(dev)
+        model, opt = pgd.wrap(m, torch.optim.SGD(m.parameters(), lr=0.05), graphs=graphs,
+                              eager_params=["head.bias"])
+        losses = _train_tokens(model, opt, args.steps, rank, dev=dev)
+        return m, losses
+
+    graphed, g_losses = run(True)
+    rep = pgd.report().models[-1]
+    eager, e_losses = run(False)
+    pg, pe = flat_params(graphed), flat_params(eager)
+    g = rep.graphs[0]
+    return {
+        "phase": g.phase, "reason": g.reason, "replays": g.replays, "segments": g.segments,
+        "eager_buckets": rep.eager_buckets, "n_collectives": g.n_collectives,
+        "bitwise": bool(torch.equal(pg, pe)), "max_diff": max_diff(pg, pe),
+        "losses_equal": g_losses == e_losses, "ranks_agree": ranks_agree(pg, dev),
+        "emb_moved": max_diff(flat_params(graphed.emb), flat_params(SparseLM().emb)) > 0,
+        "report": str(pgd.report()),
+    }
+
+
+@case
+def gpu_bucket_capture_failure(args):
+    """Rank 1's all-reduce of one bucket fails capture: that bucket leaves the graph on
+    both ranks (agreed), the iteration is captured again as segments, and training
+    equals eager training bitwise."""
+    pgd.init()
+    rank = dist.get_rank()
+    dev = device()
+
+    def run(graphs, fail_bucket):
+        torch.manual_seed(0)
+        m = _gpu_model(0, 0.0)
+        model, opt = pgd.wrap(m, _opt(m.parameters(), None, 1e-3), graphs=graphs, bucket_cap_mb=0.004)
+        reducer = model.engine.reducer
+        if fail_bucket is not None and rank == 1:
+            original = reducer._all_reduce
+
+            def refusing(b):
+                if b == fail_bucket and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError("test: this collective is refused during capture")
+                return original(b)
+
+            reducer._all_reduce = refusing
+        losses = _train(model, opt, args.steps, rank, dev=dev)
+        return m, losses, len(reducer.buffers)
+
+    graphed, g_losses, n_buckets = run(True, 1)
+    rep = pgd.report().models[-1]
+    eager, e_losses, _ = run(False, None)
+    pg, pe = flat_params(graphed), flat_params(eager)
+    g = rep.graphs[0]
+    return {
+        "n_buckets": n_buckets, "phase": g.phase, "replays": g.replays, "segments": g.segments,
+        "eager_buckets": rep.eager_buckets, "events": rep.events, "capture_attempts": g.capture_attempts,
+        "bitwise": bool(torch.equal(pg, pe)), "max_diff": max_diff(pg, pe),
+        "ranks_agree": ranks_agree(pg, dev), "report": str(pgd.report()),
+    }
+
+
+@case
+def gpu_selection(args):
+    """The same small model: kept with the default margin; dropped (collectively)
+    when the margin asks for more than a graph can give, and then eager training
+    continues bitwise equal to eager pgd."""
+    pgd.init()
+    rank = dist.get_rank()
+    dev = device()
+
+    def run(**kw):
+        torch.manual_seed(0)
+        m = _gpu_model(0, 0.0)
+        model, opt = pgd.wrap(m, _opt(m.parameters(), None, 1e-3), **kw)
+        _train(model, opt, args.steps, rank, dev=dev)
+        return m, pgd.report().models[-1].graphs[0]
+
+    kept_m, kept = run()
+    dropped_m, dropped = run(select_margin=0.999)
+    eager_m, _ = run(graphs=False)
+    return {
+        "kept": [kept.phase, kept.selection, kept.replays, kept.eager_ms, kept.replay_ms],
+        "dropped": [dropped.phase, dropped.selection, dropped.replays, dropped.reason],
+        "bitwise_kept": bool(torch.equal(flat_params(kept_m), flat_params(eager_m))),
+        "bitwise_dropped": bool(torch.equal(flat_params(dropped_m), flat_params(eager_m))),
+        "ranks_agree": ranks_agree(flat_params(dropped_m), dev),
+        "report": str(pgd.report()),
+    }
 
 
 # ----------------------------------------------------------------- main
