@@ -438,7 +438,8 @@ def environment() -> dict:
     except (OSError, subprocess.SubprocessError):
         env["commit"] = ""
     # A copy of the tree without .git (e.g. shipped to a GPU host) can say which commit it is.
-    env["commit"] = env["commit"] or os.environ.get("PGD_COMMIT", "")
+    # PGD_COMMIT wins: a shipped copy may carry a stale .git.
+    env["commit"] = os.environ.get("PGD_COMMIT", "") or env["commit"]
     return env
 
 

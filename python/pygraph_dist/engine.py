@@ -724,6 +724,16 @@ class Engine:
         step_graph = None
         entry.eager_buckets = self.reducer.eager_buckets
         self._clear_grads()
+        if not any(e.graph is not None for e in self.entries.values()):
+            # Once every graph captured into a pool id has been released, the
+            # allocator keeps the id with use_count 0 and asserts on the next
+            # capture into it ("it->second->use_count > 0", CUDACachingAllocator
+            # create_or_incref_pool): after a failed capture, an invalidation
+            # or eviction of the last graph, start a fresh pool.
+            self.pool = torch.cuda.graph_pool_handle()
+        # torch.cuda.graph empties the cache on entry; do it first so that the
+        # growth of reserved memory measures this graph's new pool segments.
+        torch.cuda.empty_cache()
         if self.fp_backend is not None:
             self.fp_backend.start_recording()
         reserved0 = torch.cuda.memory_reserved(self.device)

@@ -65,6 +65,7 @@ def test_shapes_get_their_own_graphs_single_rank(ranks):
     assert all(phase == "replay" for _, phase, _, _ in graphs), graphs
     assert r["bitwise"], r["max_diff"]
     # A memory cap of half what six graphs took: live graphs stay within it (LRU out).
+    assert r["total_mib"] > 0, "pool growth was not measured"
     assert r["capped_live_mib"] <= r["cap_mib"], r
     assert "invalidated" in r["capped_events"] or "not kept" in r["capped_events"], r["capped_events"]
     assert r["capped_bitwise"]
@@ -81,3 +82,5 @@ def test_loop_checks_on_gpu(ranks):
     assert "host synchronisation" in r["sync_reason"] and "workers.py:" in r["sync_reason"], r
     assert r["replays_before_change"] > 0
     assert "after graphs were captured" in r["after_capture_error"], r
+    phase, recaptures, replays, reason = r["sgd_lr_change"]
+    assert phase == "replay" and recaptures == 1 and replays >= 8, r["sgd_lr_change"]

@@ -543,6 +543,17 @@ def gpu_loop_checks(args):
         out["after_capture_error"] = ""
     except pgd.LoopConformanceError as exc:
         out["after_capture_error"] = str(exc)
+
+    # SGD's lr is baked into the graph: changing it releases the only graph and
+    # captures again (into a fresh pool: the released pool id is dead).
+    base = _gpu_model(0, 0.0)
+    model, opt = pgd.wrap(base, torch.optim.SGD(base.parameters(), lr=0.1), warmup=1)
+    _train(model, opt, 8, rank, dev=dev)
+    for g in opt.param_groups:
+        g["lr"] = 0.05
+    _train(model, opt, 8, rank, dev=dev)
+    g = pgd.report().models[-1].graphs[0]
+    out["sgd_lr_change"] = [g.phase, g.recaptures, g.replays, g.reason]
     return out
 
 
