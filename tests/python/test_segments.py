@@ -92,7 +92,9 @@ def test_bucket_failing_capture_leaves_the_graph_on_all_ranks(ranks):
         assert r["n_buckets"] >= 3
         assert r["phase"] == "replay", r["report"]
         assert r["replays"] >= 25, r["report"]
-        assert r["capture_attempts"] == 2, r["report"]
+        # First capture failed on rank 1 only; both ranks retried with the bucket outside.
+        kinds = [e["event"] for e in r["events"]]
+        assert kinds[:2] == ["capture failed", "captured"], r["report"]
         assert len(r["eager_buckets"]) == 1 and r["eager_buckets"][0].startswith("bucket 1 "), r["eager_buckets"]
         assert "failed capture" in r["eager_buckets"][0] and "rank 1" in r["eager_buckets"][0], r
         assert r["segments"].startswith("2 graphs"), r["segments"]
