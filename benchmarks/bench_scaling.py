@@ -520,6 +520,17 @@ def _fmt(v, f):
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f.format(v)
 
 
+def _write_result(args, out_dir: Path, name: str, env: dict, codes: dict, cells: list, t0: float,
+                  complete: bool) -> tuple[dict, Path]:
+    derive(cells)
+    result = {"environment": env, "config": {k: v for k, v in vars(args).items() if k not in ("worker", "part")},
+              "conditions": {k: asdict(v) for k, v in CONDITIONS.items()}, "exit_codes": codes,
+              "complete": complete, "wall_s": time.perf_counter() - t0, "cells": cells}
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(result, indent=1))
+    return result, path
+
+
 def run_world_size(args, n: int, part: Path) -> int:
     env = dict(os.environ)
     env.update(NO_NVLS)
@@ -589,12 +600,8 @@ def main(argv=None) -> int:
             cells += data["cells"]
             env = env or data["environment"]
             part.unlink()
-    derive(cells)
-    result = {"environment": env, "config": {k: v for k, v in vars(args).items() if k not in ("worker", "part")},
-              "conditions": {k: asdict(v) for k, v in CONDITIONS.items()}, "exit_codes": codes,
-              "wall_s": time.perf_counter() - t0, "cells": cells}
-    path = out_dir / f"{name}.json"
-    path.write_text(json.dumps(result, indent=1))
+        # Written after every world size, so that a run cut short keeps what it measured.
+        result, path = _write_result(args, out_dir, name, env, codes, cells, t0, complete=n == sizes[-1])
     print(table(cells, env))
     print(f"[bench] {len(cells)} cells in {result['wall_s']:.0f} s -> {path}", file=sys.stderr)
     if not args.no_plots:
