@@ -114,3 +114,11 @@ def test_selection_keeps_graphs_that_pay_and_drops_others_collectively(ranks):
         assert replays == 3  # the timed replays, then eager for good
         assert r["bitwise_kept"] and r["bitwise_dropped"], r
         assert r["ranks_agree"]
+
+
+@pytest.mark.multigpu
+def test_parameters_used_only_in_some_iterations_keep_that_shape_eager(ranks):
+    for r in ranks("gpu_varying_paths", timeout=300):
+        assert r["phase"] == "eager" and r["replays"] == 0, r
+        assert "branch.weight" in r["reason"] and "some iterations" in r["reason"], r["reason"]
+        assert r["bitwise"], r

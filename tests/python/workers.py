@@ -799,6 +799,44 @@ def gpu_selection(args):
     }
 
 
+@case
+def gpu_varying_paths(args):
+    """A branch taken on odd steps only: its parameters get gradients in some
+    iterations and not others. A graph would freeze one path, so the shape runs
+    eagerly with the parameters named, training exactly as eager pgd."""
+    pgd.init()
+    rank = dist.get_rank()
+    dev = device()
+
+    class Branchy(MLP):
+        def __init__(self):
+            super().__init__()
+            self.branch = nn.Linear(32, 32)
+            self.use_branch = False  # set by the loop, like a curriculum flag
+
+        def forward(self, x, y):
+            if self.use_branch:
+                x = x + self.branch(x)
+            return super().forward(x, y)
+
+    def run(graphs):
+        torch.manual_seed(0)
+        m = Branchy().to(dev)
+        model, opt = pgd.wrap(m, _opt(m.parameters(), None, 1e-3), graphs=graphs)
+        for step in range(12):
+            m.use_branch = step % 2 == 1
+            x, y = data(step, rank, device=dev)
+            opt.zero_grad(set_to_none=True)
+            model(x, y).backward()
+            opt.step()
+        return m, pgd.report().models[-1].graphs[0]
+
+    graphed, g = run(True)
+    eager, _ = run(False)
+    return {"phase": g.phase, "reason": g.reason, "replays": g.replays,
+            "bitwise": bool(torch.equal(flat_params(graphed), flat_params(eager)))}
+
+
 # ----------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser()
