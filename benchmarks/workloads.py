@@ -87,27 +87,22 @@ class GPT2Loss(nn.Module):
         return self.model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
-register(Workload(
-    name="gpt2",
-    description="GPT-2-small shape (transformers GPT2Config: 12 layers, 768 wide), seq 128",
-    default_batch=8,
-    build=GPT2Loss,
-    make_batch=lambda b, g: (torch.randint(0, 50257, (b, 128), generator=g),),
-    requires=("transformers",),
-))
+def _gpt2_workload(name: str, seq: int, batch: int, description: str) -> Workload:
+    return register(Workload(
+        name=name,
+        description=description,
+        default_batch=batch,
+        build=GPT2Loss,
+        make_batch=lambda b, g: (torch.randint(0, 50257, (b, seq), generator=g),),
+        requires=("transformers",),
+    ))
 
 
+_gpt2_workload("gpt2", 128, 8, "GPT-2-small shape (transformers GPT2Config: 12 layers, 768 wide), seq 128")
 # A GPU-bound configuration: the same GPT-2-small shape at 16 x 512 tokens per GPU,
 # where kernels, not launches, take the time. Selective deployment must keep
 # pygraph_dist from being slower than eager here (issue 5).
-register(Workload(
-    name="gpt2_gpu_bound",
-    description="GPT-2-small shape, seq 512, batch 16 per GPU (GPU-bound)",
-    default_batch=16,
-    build=GPT2Loss,
-    make_batch=lambda b, g: (torch.randint(0, 50257, (b, 512), generator=g),),
-    requires=("transformers",),
-))
+_gpt2_workload("gpt2_gpu_bound", 512, 16, "GPT-2-small shape, seq 512, batch 16 per GPU (GPU-bound)")
 
 
 # --------------------------------------------------------------- timm models

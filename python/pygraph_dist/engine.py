@@ -285,6 +285,7 @@ class Engine:
         self.reducer = GradientReducer(named, self.group, config.bucket_cap_mb,
                                        sparse=sparse, eager=config.eager_params)
         self.reducer.on_finalize = self._on_backward_finished
+        self._sparse_ids = {id(p) for p in self.reducer.sparse_params}
         self._sync_module_states()
         make_graph_aware(optimizer, self)
 
@@ -709,7 +710,7 @@ class Engine:
             return
         self.reducer.reduce_eager(entry.eager_buckets, entry.sparse_grads)
         entry.step_graph.replay()
-        if self.reducer.sparse_params:
+        if self._sparse_ids:
             self._apply_step(None, part="sparse")
 
     def _capture(self, entry: GraphEntry, args, kwargs):
@@ -861,23 +862,18 @@ class Engine:
         ``"all"`` does both in that order, so eager and graphed training
         run the same kernels. wrap() refuses clipping and fp16 with sparse
         gradients, so both parts are plain optimizer steps."""
-        sparse = self.reducer.sparse_params
-        if sparse:
-            ids = {id(p) for p in sparse}
-            result = None
-            self.delegating_step = True
-            try:
+        self.delegating_step = True
+        try:
+            ids = self._sparse_ids
+            if ids:
+                result = None
                 if part in ("all", "graphed"):
                     with _only_params(self.optimizer, lambda p: id(p) not in ids):
                         result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
                 if part in ("all", "sparse"):
                     with _only_params(self.optimizer, lambda p: id(p) in ids):
                         self.optimizer.step()
-            finally:
-                self.delegating_step = False
-            return result
-        self.delegating_step = True
-        try:
+                return result
             if self.config.max_grad_norm is not None:
                 if self.grad_scaler is not None:
                     self.grad_scaler.unscale_(self.optimizer)
@@ -954,9 +950,9 @@ class Engine:
         if n == 0:
             return []
         flags = torch.zeros(n, dtype=torch.int64, device=self.agree_device)
-        bucket = _failed_bucket(error)
-        if bucket is not None:
-            flags[bucket] = 1
+        bucket_error = _bucket_error(error)
+        if bucket_error is not None:
+            flags[bucket_error.bucket] = 1
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return [b for b, f in enumerate(flags.tolist()) if f]
 
@@ -1185,11 +1181,12 @@ def _varying_paths(unused_seen: set) -> str:
             "the graph for this: the forward itself would be frozen)")
 
 
-def _failed_bucket(error: BaseException | None) -> int | None:
+def _bucket_error(error: BaseException | None) -> BucketCaptureError | None:
+    """The BucketCaptureError in ``error``'s chain, if a bucket's all-reduce caused it."""
     e, seen = error, 0
     while e is not None and seen < 6:
         if isinstance(e, BucketCaptureError):
-            return e.bucket
+            return e
         e, seen = e.__cause__ or e.__context__, seen + 1
     return None
 
@@ -1207,11 +1204,9 @@ def _describe_capture_error(error: BaseException | None) -> tuple[str, bool]:
     """(reason, retryable) for a local capture failure."""
     if error is None:
         return "", True
-    if _failed_bucket(error) is not None:
-        e = error
-        while not isinstance(e, BucketCaptureError):
-            e = e.__cause__ or e.__context__
-        return str(e), True
+    bucket_error = _bucket_error(error)
+    if bucket_error is not None:
+        return str(bucket_error), True
     # torch.cuda.graph.__exit__ ends the capture even when the body raised, so
     # the error we catch may be capture_end's; the cause is in the chain.
     chain, e = [], error

@@ -98,6 +98,7 @@ class GradientReducer:
             raise ValueError(f"no parameter requiring grad is named {sorted(unknown)}; names are "
                              f"those of module.named_parameters(), e.g. {self.names[:3]}")
         self.is_sparse = [n in sparse for n in self.names]
+        self.sparse_params = [p for p, s in zip(self.params, self.is_sparse) if s]
         devices = sorted({str(p.device) for p in self.params}, key=str)
         self._device_code = {d: i for i, d in enumerate(devices)}
         specs = [
@@ -173,10 +174,6 @@ class GradientReducer:
     @property
     def eager_buckets(self) -> tuple[int, ...]:
         return tuple(b for b, k in enumerate(self.kinds) if k != GRAPH)
-
-    @property
-    def sparse_params(self) -> list[torch.nn.Parameter]:
-        return [p for p, s in zip(self.params, self.is_sparse) if s]
 
     def describe(self) -> str:
         sizes = [b.bytes for b in self.plan.buckets]
@@ -286,7 +283,7 @@ class GradientReducer:
                 grad = sparse_grads[i] if sparse_grads is not None else self.params[i].grad
                 self.params[i].grad = self._reduce_sparse(i, grad)
             else:
-                dist.all_reduce(self.buffers[b], group=self.group, async_op=True).wait()
+                self._all_reduce(b).wait()
 
     def _reduce_sparse(self, i: int, grad: torch.Tensor | None) -> torch.Tensor:
         p = self.params[i]
@@ -333,7 +330,7 @@ def _all_gather_varying(indices: torch.Tensor, values: torch.Tensor, group) -> t
     n = torch.tensor([indices.shape[1]], dtype=torch.int64, device=indices.device)
     counts_t = [torch.zeros_like(n) for _ in range(world)]
     dist.all_gather(counts_t, n, group=group)
-    counts = [int(c.item()) for c in counts_t]
+    counts = torch.cat(counts_t).tolist()
     most = max(counts)
     pad = most - indices.shape[1]
     if pad:

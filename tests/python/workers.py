@@ -120,10 +120,12 @@ def reducer_vs_ddp(args):
     }
 
 
-def _train(model, optimizer, steps, rank, *, clip=None, dev="cpu", variant="plain", scheduler=None):
+def _train(model, optimizer, steps, rank, *, clip=None, dev="cpu", variant="plain", scheduler=None,
+           make_batch=None):
+    """``make_batch(step) -> (inputs, target)`` replaces the default ``data(step, rank)``."""
     losses = []
     for step in range(steps):
-        x, y = data(step, rank, device=dev)
+        x, y = make_batch(step) if make_batch is not None else data(step, rank, device=dev)
         if variant == "accumulate":
             optimizer.zero_grad(set_to_none=True)
             model(x[:8], y[:8]).backward()
@@ -578,18 +580,6 @@ def token_data(step, rank, batch=16, seq=6, vocab=200, classes=5, device="cpu"):
     return tokens.to(device), torch.randint(0, classes, (batch,), generator=g).to(device)
 
 
-def _train_tokens(model, opt, steps, rank, dev="cpu", batch_of=lambda step, rank: 16):
-    losses = []
-    for step in range(steps):
-        tokens, y = token_data(step, rank, batch=batch_of(step, rank), device=dev)
-        opt.zero_grad(set_to_none=True)
-        loss = model(tokens, y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 @case
 def sparse_vs_ddp(args):
     """Sparse embedding + a dense parameter reduced eagerly, on CPU: same training as DDP,
@@ -601,9 +591,9 @@ def sparse_vs_ddp(args):
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     model, opt = pgd.wrap(base, torch.optim.SGD(base.parameters(), lr=0.05), eager_params=["head.bias"])
-    batch_of = lambda step, r: 12 + 2 * r  # noqa: E731
-    ours = _train_tokens(model, opt, 6, rank, batch_of=batch_of)
-    theirs = _train_tokens(ref, ref_opt, 6, rank, batch_of=batch_of)
+    batches = lambda step: token_data(step, rank, batch=12 + 2 * rank)  # noqa: E731
+    ours = _train(model, opt, 6, rank, make_batch=batches)
+    theirs = _train(ref, ref_opt, 6, rank, make_batch=batches)
     rep = pgd.report().models[0]
     reducer = model.engine.reducer
     return {
@@ -713,7 +703,7 @@ def gpu_sparse_segments(args):
         m = SparseLM().to(dev)
         model, opt = pgd.wrap(m, torch.optim.SGD(m.parameters(), lr=0.05), graphs=graphs,
                               eager_params=["head.bias"])
-        losses = _train_tokens(model, opt, args.steps, rank, dev=dev)
+        losses = _train(model, opt, args.steps, rank, make_batch=lambda step: token_data(step, rank, device=dev))
         return m, losses
 
     graphed, g_losses = run(True)
