@@ -22,7 +22,27 @@ py::dict record_to_dict(const core::CollectiveRecord& r) {
   d["numel"] = r.numel;
   d["reduce_op"] = r.reduce_op;
   d["root"] = r.root;
+  d["kind_code"] = static_cast<int>(r.kind);
+  d["dtype_code"] = r.dtype;
   return d;
+}
+
+// The inverse of record_to_dict: ranks exchange their fingerprints as these
+// dicts (all_gather_object) and compare them with first_difference.
+core::CaptureFingerprint fingerprint_from_records(const py::list& records) {
+  core::CaptureFingerprint f;
+  for (const auto& item : records) {
+    const auto d = item.cast<py::dict>();
+    core::CollectiveRecord r;
+    r.kind = static_cast<core::CollectiveKind>(d["kind_code"].cast<int>());
+    r.dtype = d["dtype_code"].cast<int>();
+    r.dtype_name = d["dtype"].cast<std::string>();
+    r.numel = d["numel"].cast<int64_t>();
+    r.reduce_op = d["reduce_op"].cast<int>();
+    r.root = d["root"].cast<int64_t>();
+    f.record(r);
+  }
+  return f;
 }
 
 void bind_core(py::module_& m) {
@@ -67,6 +87,7 @@ void bind_core(py::module_& m) {
         }
         return out;
       })
+      .def_static("from_records", &fingerprint_from_records, py::arg("records"))
       .def_static("first_difference", &core::CaptureFingerprint::first_difference);
 
   py::class_<core::Summary>(m, "Summary")

@@ -20,7 +20,10 @@ import torch  # noqa: F401 - loads libtorch before the extension
 from ._ext import C as _C
 from ._ext import graphs_available
 from .backend import graph_safe_backend
-from .engine import Engine, LoopConformanceError, WrapConfig, teardown_all
+from .config import WrapConfig, check_wrap_targets, make_config
+from .conformance import LoopConformanceError
+from .engine import Engine
+from .lifetime import live_engines, teardown_all
 from .launch_env import LaunchEnvironment, LaunchError, detect, init
 from .report import Report, model_report
 
@@ -67,10 +70,7 @@ class GraphedModule(torch.nn.Module):
 
         Writing the next batch into them (``copy_``) and passing them to the
         model call saves the staging copy."""
-        for entry in reversed(self._engine.entries.values()):
-            if entry.graph is not None:
-                return entry.static
-        return None
+        return self._engine.cache.latest_static_inputs()
 
     @property
     def engine(self) -> Engine:
@@ -135,13 +135,13 @@ def wrap(
     Returns ``(GraphedModule, optimizer)``; the optimizer is the same object,
     made capturable and routed through the engine.
     """
-    config = WrapConfig(
+    check_wrap_targets(model, optimizer)
+    config = make_config(
         loss_fn=loss_fn, amp=amp, bucket_cap_mb=bucket_cap_mb, warmup=warmup, probe=probe,
         graphs=graphs, max_grad_norm=max_grad_norm, max_graphs=max_graphs,
         graph_memory_mb=graph_memory_mb, broadcast_buffers=broadcast_buffers,
-        replay_timeout=replay_timeout, monitor=monitor, eager_params=tuple(eager_params),
-        select=select, select_margin=select_margin, pad_batch_to=tuple(sorted(pad_batch_to)),
-        pad_value=tuple(pad_value) if isinstance(pad_value, (list, tuple)) else pad_value,
+        replay_timeout=replay_timeout, monitor=monitor, eager_params=eager_params,
+        select=select, select_margin=select_margin, pad_batch_to=pad_batch_to, pad_value=pad_value,
     )
     engine = Engine(model, optimizer, config, process_group)
     return GraphedModule(model, engine), optimizer
@@ -149,10 +149,7 @@ def wrap(
 
 def report(print_report: bool = False) -> Report:
     """What was graphed, for which input shapes, with timings, memory and every fallback."""
-    from .engine import _LIVE
-
-    engines = sorted(_LIVE, key=lambda e: e.serial)  # creation order
-    r = Report([model_report(e) for e in engines])
+    r = Report([model_report(e) for e in live_engines()])  # creation order
     if print_report:
         print(r)
     return r

@@ -1,26 +1,38 @@
-"""Cross-rank agreement: the one place where ranks decide together.
+"""Cross-rank agreement: every decision all ranks must share, in one place.
 
-Every decision that changes which collectives run — replay a captured graph
-or run eagerly, keep graphs after the loop probe — goes through :func:`agree`.
 NCCL requires "captured or not" to be uniform over the ranks of a
-communicator (NCCL user guide, "Using NCCL with CUDA Graphs"), so a rank
-never acts on a local verdict: it all-reduces it first.
+communicator (NCCL user guide, "Using NCCL with CUDA Graphs": a graph launch
+containing NCCL work is itself a collective), so a rank never acts on a local
+verdict that changes which collectives run: it agrees first. Each function
+here is called by every rank of the group at the same point of the same
+iteration (the engine's control flow up to that point is itself agreed), so
+the collectives inside match.
 
-One eager all-reduce (MIN) of ``[ok, d0, -d0, d1, -d1, ...]`` tells every rank
-whether all ranks said ok and whether every digest is equal everywhere (the
-minimum of d equals the maximum, i.e. -min(-d)). Only when the answer is no,
-an ``all_gather_object`` collects each rank's reason and details so the
-message can say which rank and what differed; both ranks take that branch
-because both saw the same all-reduce result.
+* :func:`agree` — probe verdicts and capture success: one eager all-reduce
+  (MIN) of ``[ok, -final, d0, -d0, d1, -d1, ...]`` tells every rank whether all
+  ranks said ok and whether every digest is equal everywhere (the minimum of d
+  equals the maximum, i.e. -min(-d)). Only when the answer is no, an
+  ``all_gather_object`` collects each rank's reason and details so that the
+  message can say which rank and what differed; every rank takes that branch
+  because every rank saw the same all-reduce result.
+* :func:`agreed_max` — selection timings and graph pool sizes (the slowest
+  rank decides; the largest pool counts against the memory cap).
+* :func:`agreed_failed_buckets` — gradient buckets whose all-reduce failed
+  capture on any rank.
+* :func:`config_digest` / :func:`explain_mismatch` — what all ranks must have
+  captured alike, and the message when they did not.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ._ext import C
 
 _MASK = (1 << 62) - 1  # digests are 62-bit so that -d fits in int64
 
@@ -83,3 +95,60 @@ def agree(
         return Verdict(False, text, final=any_final)
     text = explain(everyone) if explain else "ranks disagree"
     return Verdict(False, text, final=True)
+
+
+def agreed_max(values: Sequence[int], *, group, device: torch.device) -> list[int]:
+    """The element-wise maximum over ranks of ``values`` (integers)."""
+    t = torch.tensor(list(values), dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in t.tolist()]
+
+
+def agreed_failed_buckets(n_buckets: int, failed_here: int | None, *, group,
+                          device: torch.device) -> list[int]:
+    """Buckets whose all-reduce failed capture on any rank (MAX over ranks).
+    Called by every rank after a failed capture agreement."""
+    if n_buckets == 0:
+        return []
+    flags = [0] * n_buckets
+    if failed_here is not None:
+        flags[failed_here] = 1
+    return [b for b, f in enumerate(agreed_max(flags, group=group, device=device)) if f]
+
+
+def config_digest(text: str) -> int:
+    """Digest of a configuration's text, for :func:`agree`."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def explain_mismatch(everyone: list[dict]) -> str:
+    """Which ranks captured what, for a fingerprint (digest 0) or configuration
+    (digest 1) mismatch. ``details`` holds ``collectives`` (the fingerprint's
+    records) and ``config`` (the configuration text)."""
+    first = everyone[0]
+    for other in everyone[1:]:
+        if other["digests"][0] != first["digests"][0]:
+            a, b = first["details"]["collectives"], other["details"]["collectives"]
+            i = C.CaptureFingerprint.first_difference(C.CaptureFingerprint.from_records(a),
+                                                      C.CaptureFingerprint.from_records(b))
+            if i is None:
+                i = min(len(a), len(b))
+
+            def show(seq):
+                if i >= len(seq):
+                    return "nothing"
+                r = seq[i]
+                return f"{r['kind']} {r['dtype']} x{r['numel']}"
+
+            return (
+                f"ranks captured different collective sequences: rank {first['rank']} captured "
+                f"{len(a)}, rank {other['rank']} captured {len(b)}; first difference at #{i}: "
+                f"rank {first['rank']} {show(a)} vs rank {other['rank']} {show(b)}"
+            )
+        if other["digests"][1] != first["digests"][1]:
+            return (
+                f"rank {first['rank']} and rank {other['rank']} captured different "
+                f"configurations (inputs, amp, clipping or optimizer hyperparameters): "
+                f"{first['details']['config']} vs {other['details']['config']}"
+            )
+    return "ranks disagree"

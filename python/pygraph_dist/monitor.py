@@ -27,8 +27,10 @@ already ran), so it raises.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -44,13 +46,37 @@ _INPLACE_DUNDERS = {
 }
 
 
+def _internal(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(_PKG_DIR) or path.startswith(_TORCH_DIR)
+
+
 def user_location() -> str:
     """``file:line`` of the innermost frame outside torch and pygraph_dist."""
     for frame in reversed(traceback.extract_stack()[:-1]):
-        path = os.path.abspath(frame.filename)
-        if not (path.startswith(_PKG_DIR) or path.startswith(_TORCH_DIR)):
-            return f"{os.path.relpath(path)}:{frame.lineno}"
+        if not _internal(frame.filename):
+            return f"{os.path.relpath(os.path.abspath(frame.filename))}:{frame.lineno}"
     return "<unknown>"
+
+
+_WRAPPER_NAMES = {"wrapper", "decorate_context", "inner", "wrapped", "fn"}
+
+
+def _user_call(op: str) -> str:
+    """The call the user wrote that led to ``op`` — ``clip_grad_norm_()`` rather
+    than the ``_foreach_mul_()`` it runs inside — or ``op()`` when the user
+    called the op directly."""
+    stack = traceback.extract_stack()[:-1]
+    for i in range(len(stack) - 1, -1, -1):
+        if _internal(stack[i].filename):
+            continue
+        for frame in stack[i + 1:]:
+            if not _internal(frame.filename) or frame.filename.startswith(_PKG_DIR):
+                break
+            if not frame.name.startswith("_") and frame.name not in _WRAPPER_NAMES:
+                return f"{frame.name}()"
+        return f"{op}()"
+    return f"{op}()"
 
 
 @dataclass(frozen=True)
@@ -84,17 +110,19 @@ def _tensors(obj):
 
 
 class LoopMonitor(TorchFunctionMode):
-    """See the module docstring. ``engine`` provides:
+    """See the module docstring.
 
-    * ``monitor_backward(tensor, kwargs) -> bool``: whether this backward call
-      is the expected one (the engine decides whether to run it);
-    * ``owned_storages() -> set[int]``: storage pointers of parameters,
-      gradients, optimizer state and learning-rate tensors.
+    ``loop`` (a :class:`~pygraph_dist.conformance.LoopState`) decides about
+    each ``backward()`` (``backward_called(tensor, kwargs) -> bool``: whether
+    to run it) and takes violations (``violation(what, fix, defer=True)``);
+    ``owned_storages()`` gives the storage pointers of parameters, gradients,
+    optimizer state and learning-rate tensors.
     """
 
-    def __init__(self, engine) -> None:
+    def __init__(self, loop, owned_storages) -> None:
         super().__init__()
-        self.engine = engine
+        self.loop = loop
+        self.owned_storages = owned_storages
         self.active = False
         self.window = ""
         self.violations: list[Violation] = []
@@ -140,14 +168,15 @@ class LoopMonitor(TorchFunctionMode):
             return func(*args, **kwargs)
         if func is torch.Tensor.backward or func is torch.autograd.backward:
             target = args[0] if args else kwargs.get("tensors")
-            if self.engine.monitor_backward(target, func, kwargs):
+            if self.loop.backward_called(target, kwargs):
                 return func(*args, **kwargs)
             return None
         if func is torch.autograd.grad:
-            self.record(
+            self.loop.violation(
                 "torch.autograd.grad() between the model call and optimizer.step()",
                 "The graph applies loss.backward() of the returned loss only; compute extra "
                 "gradients outside the training step, or train this model without graphs.",
+                defer=True,
             )
             return func(*args, **kwargs)
         name = _func_name(func)
@@ -156,17 +185,18 @@ class LoopMonitor(TorchFunctionMode):
             owned = self._owned_storages()
             for t in targets:
                 if storage_ptr(t) in owned:
-                    self.record(
-                        f"{name}() modifies a parameter, gradient, optimizer state or learning "
-                        f"rate {self.window}",
+                    self.loop.violation(
+                        f"{_user_call(name)} modifies a parameter, gradient, optimizer state or "
+                        f"learning rate {self.window}",
                         self._fix_for(name),
+                        defer=True,
                     )
                     break
         return func(*args, **kwargs)
 
     def _owned_storages(self) -> set[int]:
         if self._owned is None:
-            self._owned = self.engine.owned_storages()
+            self._owned = self.owned_storages()
         return self._owned
 
     def _fix_for(self, name: str) -> str:
@@ -188,3 +218,29 @@ def storage_ptr(t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return -1
+
+
+@contextlib.contextmanager
+def watch_host_syncs(enabled: bool, sites: list[str]):
+    """On CUDA probes, turn host syncs in forward into warnings and collect
+    where they happen (``file:line``) into ``sites``. A sync seen in eager
+    forward is only a hint: libraries such as transformers skip theirs while a
+    stream is capturing, so capture decides, and its failure message cites these."""
+    if not enabled:
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    for w in caught:
+        if "called a synchronizing CUDA operation" in str(w.message):
+            site = f"{w.filename}:{w.lineno}"
+            if site not in sites:
+                sites.append(site)
+        elif "prototype feature" not in str(w.message):  # torch's notice about the debug mode
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

@@ -151,6 +151,7 @@ class GradientReducer:
             if p.requires_grad
         ]
         self.unused_warned: set[str] = set()
+        self._newly_unused: list[str] = []
 
     # ---------------------------------------------------------------- state
     def _reset_round(self) -> None:
@@ -265,6 +266,7 @@ class GradientReducer:
             )
             if not self.defer_eager:
                 self.reduce_eager(self.eager_buckets)
+            self._warn_unused()
         finally:
             self.rounds += 1
             self._reset_round()
@@ -297,6 +299,17 @@ class GradientReducer:
             indices, values = _all_gather_varying(indices, values, self.group)
         return torch.sparse_coo_tensor(indices, values, p.shape).coalesce()
 
+    def _warn_unused(self) -> None:
+        """One message for the parameters first seen without a gradient in this
+        backward: a warning on rank 0, info elsewhere (ranks usually agree)."""
+        if not self._newly_unused:
+            return
+        names, self._newly_unused = self._newly_unused, []
+        level = logging.WARNING if dist.get_rank(self.group) == 0 else logging.INFO
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        logger.log(level, "parameter(s) %s received no gradient in a backward pass; they contribute "
+                   "zeros to the all-reduce, as DDP(find_unused_parameters=True) (reported once)", shown)
+
     def _clear_missing(self, b: int) -> None:
         for i in self.bucket_params[b]:
             if not self._got_grad[i]:
@@ -307,11 +320,7 @@ class GradientReducer:
                 name = self.names[i]
                 if name not in self.unused_warned:
                     self.unused_warned.add(name)
-                    logger.warning(
-                        "parameter '%s' received no gradient in this backward pass; it "
-                        "contributes zeros to its all-reduce (reported once per parameter)",
-                        name,
-                    )
+                    self._newly_unused.append(name)
 
     def finish_pending(self) -> None:
         """Run the end-of-backward step now if autograd never got to it (error paths)."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ._ext import C
 
 
 @dataclass(frozen=True)
@@ -26,6 +25,7 @@ class GraphReport:
     selection: str = ""   # "kept: replay .. vs eager .." / "dropped: ..." / "" (not decided)
     eager_ms: float = 0.0
     replay_ms: float = 0.0
+    live: bool = False    # a graph for these inputs is held now
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class Report:
             if not m.graphs_possible:
                 lines.append(f"  graphs unavailable: {m.graphs_reason}")
             lines.append(f"  loop: {m.loop}")
+            shown = {m.graphs_reason, m.loop.removeprefix("not graphable: ")} - {""}
             if m.eager_buckets:
                 lines.append("  gradient buckets outside the graph:")
                 lines += [f"    {b}" for b in m.eager_buckets]
@@ -80,6 +81,9 @@ class Report:
             lines.append(header)
             for g in m.graphs:
                 tail = g.reason if g.phase == "eager" else g.collectives
+                if g.phase == "eager" and g.reason in shown:
+                    tail = "(reason above)"
+                shown.add(g.reason)
                 lines.append(
                     f"  {g.inputs[:34]:<34} {g.phase:<8} {g.iterations:>6} {g.replays:>8} "
                     f"{g.eager_iterations:>6} {g.capture_ms:>6.0f}ms {g.setup_s:>6.2f}s "
@@ -92,54 +96,15 @@ class Report:
             if m.events:
                 lines.append("  events:")
                 for e in m.events[-12:]:
-                    lines.append(f"    iteration {e['iteration']:>5} [{e['inputs'][:30]}] {e['event']}: {e['detail']}")
+                    detail = e["detail"]
+                    for reason in shown:
+                        if reason and detail.startswith(reason):
+                            detail = "(reason above)" + detail[len(reason):]
+                            break
+                    lines.append(f"    iteration {e['iteration']:>5} [{e['inputs'][:30]}] {e['event']}: {detail}")
         return "\n".join(lines)
 
 
 def model_report(engine) -> ModelReport:
-    graphs = []
-    for e in engine.entries.values():
-        p = e.policy
-        graphs.append(GraphReport(
-            inputs=e.description,
-            phase=C.phase_name(p.phase),
-            reason=p.reason,
-            iterations=p.iterations,
-            replays=p.replays,
-            eager_iterations=p.eager_iterations,
-            capture_attempts=p.capture_attempts,
-            recaptures=p.recaptures,
-            collectives=e.collectives,
-            n_collectives=e.n_collectives,
-            capture_ms=e.capture_s * 1e3,
-            setup_s=e.setup_s,
-            pool_mib=e.pool_bytes / 2**20,
-            segments=engine._describe_segments(e),
-            selection=e.selection,
-            eager_ms=e.eager_ms,
-            replay_ms=e.replay_ms,
-        ))
-    if engine.loop_violation:
-        loop = f"not graphable: {engine.loop_violation}"
-    elif engine.probe_done:
-        loop = f"conforms (checked over {engine.config.probe} probe iterations)"
-    else:
-        loop = "not checked yet"
-    backend = "graph-safe (pgd_nccl, fingerprints on)" if engine.fp_backend is not None else (
-        "stock (no collective fingerprints)" if engine.device.type == "cuda" else "cpu")
-    return ModelReport(
-        model=type(engine.module).__name__,
-        rank=engine.rank,
-        world_size=engine.world_size,
-        graphs_possible=engine.graphs_possible,
-        graphs_reason=engine.graphs_reason,
-        loop=loop,
-        amp=engine.amp.name,
-        optimizer=engine._base_cls.__name__,
-        optimizer_changes=list(engine.opt_plan.changes),
-        buckets=engine.reducer.describe(),
-        backend=backend,
-        eager_buckets=engine.reducer.describe_eager(),
-        graphs=graphs,
-        events=list(engine.events),
-    )
+    """The report of one wrapped model (``Engine.describe``)."""
+    return engine.describe()

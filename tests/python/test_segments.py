@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pygraph_dist.engine import _pad_batch, _varying_paths
+from pygraph_dist.capture import varying_paths
+from pygraph_dist.graph_cache import pad_batch
 
 
 # ------------------------------------------------------------------ CPU
@@ -52,23 +53,23 @@ def test_padding_reuses_a_signature_and_masked_loss_is_unchanged(ranks):
 
 def test_pad_batch_rules():
     x, y, mask = torch.ones(5, 3), torch.arange(5), torch.ones(3)
-    (px, py, pm), _ = _pad_batch((x, y, mask), {}, (8, 16), (0.5, -100))
+    (px, py, pm), _ = pad_batch((x, y, mask), {}, (8, 16), (0.5, -100))
     assert px.shape == (8, 3) and torch.equal(px[5:], torch.full((3, 3), 0.5))
     assert py.tolist() == [0, 1, 2, 3, 4, -100, -100, -100]
     assert pm is mask  # not batch-shaped: left alone
     # Exactly a configured size, or above the largest: untouched.
-    (same,), _ = _pad_batch((torch.ones(8, 2),), {}, (8,), 0)
+    (same,), _ = pad_batch((torch.ones(8, 2),), {}, (8,), 0)
     assert same.shape == (8, 2)
-    (big,), _ = _pad_batch((torch.ones(20, 2),), {}, (8, 16), 0)
+    (big,), _ = pad_batch((torch.ones(20, 2),), {}, (8, 16), 0)
     assert big.shape == (20, 2)
-    _, kw = _pad_batch((torch.ones(3, 1),), {"w": torch.ones(3)}, (4,), 0)
+    _, kw = pad_batch((torch.ones(3, 1),), {"w": torch.ones(3)}, (4,), 0)
     assert kw["w"].tolist() == [1, 1, 1, 0]
 
 
 def test_varying_gradient_paths_are_named():
-    assert _varying_paths({frozenset()}) == ""
-    assert _varying_paths({frozenset({"a.weight"})}) == ""  # always unused: zeros in the graph
-    why = _varying_paths({frozenset(), frozenset({"branch.weight", "branch.bias"})})
+    assert varying_paths({frozenset()}) == ""
+    assert varying_paths({frozenset({"a.weight"})}) == ""  # always unused: zeros in the graph
+    why = varying_paths({frozenset(), frozenset({"branch.weight", "branch.bias"})})
     assert "branch.bias" in why and "branch.weight" in why and "some iterations" in why
 
 

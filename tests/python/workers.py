@@ -24,8 +24,6 @@ from torch import nn
 
 import pygraph_dist as pgd
 from pygraph_dist import agreement
-from pygraph_dist import engine as pgd_engine
-from pygraph_dist.engine import _explain_mismatch
 from pygraph_dist.reducer import GradientReducer
 
 CASES = {}
@@ -285,7 +283,7 @@ def fingerprint(args):
     fp = backend.stop_recording()
     verdict = agreement.agree(True, "", [fp.digest], group=None, device=torch.device("cpu"),
                               details={"collectives": fp.records(), "config": ""},
-                              explain=_explain_mismatch)
+                              explain=agreement.explain_mismatch)
     # Now the same window on both ranks: digests agree.
     backend.start_recording()
     dist.all_reduce(a)
@@ -492,8 +490,7 @@ def gpu_shapes(args):
     total_mib = sum(g.pool_mib for g in rep.graphs)
     cap = total_mib / 2
     capped = run(True, graph_memory_mb=cap)
-    capped_engine = next(e for e in pgd_engine._LIVE if e.module is capped)
-    live_mib = sum(e.pool_bytes for e in capped_engine.entries.values() if e.graph is not None) / 2**20
+    live_mib = sum(g.pool_mib for g in pgd.report().models[-1].graphs if g.live)
     cap_rep = pgd.report().models[-1]
     # Padding the short batch to 8 rows: 3 signatures instead of 6.
     padded = run(True, pad_batch_to=(8,))

@@ -1,0 +1,352 @@
+"""Warm-up, capture, agreement, replay and selection of one signature's graphs.
+
+The life of a graph, as the engine drives it (each a visible branch of
+``Engine.run``):
+
+1. **warm-up** — :meth:`GraphRunner.run_owned`: the whole iteration, eagerly,
+   on the capture stream, so that cuBLAS workspaces, optimizer state and NCCL
+   communicators are created outside the graph's pool.
+2. **capture** — :meth:`GraphRunner.capture`: the same iteration recorded with
+   ``torch.cuda.graph`` into the model's pool (thread-local capture mode, the
+   graph-safe backend recording the collective fingerprint); one graph, or
+   two segments with eager bucket reductions between them.
+3. **agree** — success, fingerprint and configuration digest, via
+   :func:`pygraph_dist.agreement.agree`. Agreed: the graph is launched once to
+   perform this iteration. Not agreed: every rank discards its graphs,
+   restores the CUDA RNG state and runs this iteration eagerly; a bucket whose
+   all-reduce failed capture on any rank leaves the graph on every rank.
+4. **replay** — :meth:`GraphRunner.replay`: inputs copied into the static
+   buffers, the graphs launched, the watchdog armed.
+5. **select** — :meth:`GraphRunner.select`: timed warm-up iterations against the
+   first replays (maxima over ranks); a graph not faster than eager by the
+   margin is dropped on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import agreement
+from ._ext import C, NOT_CAPTURABLE_TAG
+from .graph_cache import GraphCache, GraphEntry, discard
+from .optim import snapshot_hyperparams
+from .reducer import BucketCaptureError, GradientReducer
+from .step import IterationStep
+
+logger = logging.getLogger("pygraph_dist")
+
+Phase = C.Phase
+SELECT_REPLAYS = 3  # timed replays before the keep-or-drop decision
+
+
+class GraphRunner:
+    def __init__(self, step: IterationStep, reducer: GradientReducer, cache: GraphCache, *,
+                 optimizer: torch.optim.Optimizer, group, agree_device: torch.device,
+                 fp_backend, watchdog, select: bool, select_margin: float) -> None:
+        self.step = step
+        self.reducer = reducer
+        self.cache = cache
+        self.optimizer = optimizer
+        self.group = group
+        self.rank = step.rank
+        self.device = step.device
+        self.agree_device = agree_device
+        self.fp_backend = fp_backend
+        self.watchdog = watchdog
+        self.select_enabled = select
+        self.select_margin = select_margin
+        self.sync_sites: list[str] = []  # host syncs the probe saw in forward (a hint)
+
+    # ----------------------------------------------------------- warm-up
+    def run_owned(self, inputs) -> torch.Tensor:
+        """One whole iteration, eagerly, on the capture stream."""
+        with self.step.on_compute_stream():
+            self.step.clear_grads()
+            return self.step.body(inputs)
+
+    # ----------------------------------------------------------- capture
+    def capture(self, entry: GraphEntry, args, kwargs, *, iteration: int,
+                state_version: int) -> torch.Tensor:
+        """Capture, agree, and perform this iteration (by a first launch, or
+        eagerly when the ranks did not agree). Returns the iteration's loss."""
+        step = self.step
+        static = pytree.tree_map(step.static_copy, step.to_device(args, kwargs))
+        entry.static = static
+        entry.static_leaves = pytree.tree_leaves(static)
+        torch.cuda.synchronize(self.device)
+        generator = torch.cuda.default_generators[self.device.index or 0]
+        rng_snapshot = generator.clone_state()
+        graph = torch.cuda.CUDAGraph()
+        step_graph = None
+        entry.eager_buckets = self.reducer.eager_buckets
+        step.clear_grads()
+        pool = self.cache.pool_for_capture()
+        # torch.cuda.graph empties the cache on entry; do it first so that the
+        # growth of reserved memory measures this graph's new pool segments.
+        torch.cuda.empty_cache()
+        if self.fp_backend is not None:
+            self.fp_backend.start_recording()
+        reserved0 = torch.cuda.memory_reserved(self.device)
+        t0 = time.perf_counter()
+        error: BaseException | None = None
+        static_loss = None
+        try:
+            static_loss, step_graph = self._record(entry, graph, static, pool)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an agreed fallback
+            error = exc
+        finally:
+            fingerprint = self.fp_backend.stop_recording() if self.fp_backend is not None else None
+        entry.capture_s = time.perf_counter() - t0
+        if error is not None:
+            self.reducer.abandon()
+            self._restore_after_failed_capture(generator, rng_snapshot)
+        reason, retryable = describe_capture_error(error)
+        if error is not None and "host synchronisation" in reason and self.sync_sites:
+            reason += f"; the probe saw host syncs in forward at {', '.join(self.sync_sites[:3])}"
+        paths = varying_paths(entry.unused_seen) if error is None else ""
+        if paths:
+            reason, retryable = paths, False
+        config_text = self._config_text(entry)
+        verdict = agreement.agree(
+            ok=error is None and not paths,
+            reason=reason,
+            digests=[fingerprint.digest if fingerprint is not None else 0,
+                     agreement.config_digest(config_text)],
+            group=self.group,
+            device=self.agree_device,
+            details={"collectives": fingerprint.records() if fingerprint is not None else [],
+                     "config": config_text},
+            explain=agreement.explain_mismatch,
+            retryable=retryable,
+        )
+        if not verdict.agreed:
+            if error is None:
+                self._restore_after_failed_capture(generator, rng_snapshot)
+            discard(graph)
+            discard(step_graph)
+            entry.sparse_grads = {}
+            # A bucket whose all-reduce failed capture on any rank leaves the
+            # graph on every rank (agreed), and the next capture is segmented.
+            bucket_error = _bucket_error(error)
+            failed = agreement.agreed_failed_buckets(
+                len(self.reducer.buffers), bucket_error.bucket if bucket_error is not None else None,
+                group=self.group, device=self.agree_device)
+            for b in failed:
+                self.reducer.set_eager(b, f"its all-reduce failed capture: {verdict.reason}")
+            entry.policy.capture_failed(verdict.reason, bool(failed) or not verdict.final)
+            nxt = "will retry after warm-up" if entry.policy.phase != Phase.EAGER else "running eagerly"
+            self.cache.event(entry, iteration, "capture failed", f"{verdict.reason} ({nxt})")
+            if self.rank == 0 or error is not None:
+                logger.warning("capture for inputs [%s] failed on %s: %s",
+                               entry.description, "this rank" if error is not None else "another rank",
+                               f"{verdict.reason}; {nxt}")
+            return self.run_owned(static)
+
+        pool_bytes = agreement.agreed_max([torch.cuda.memory_reserved(self.device) - reserved0],
+                                          group=self.group, device=self.agree_device)[0]
+        entry.graph = graph
+        entry.step_graph = step_graph
+        entry.static_loss = static_loss
+        entry.collectives = (fingerprint.describe(4) if fingerprint is not None
+                             else "not recorded (stock backend)")
+        entry.n_collectives = len(fingerprint) if fingerprint is not None else -1
+        entry.pool_bytes = max(0, pool_bytes)
+        entry.drift.hyperparams = snapshot_hyperparams(self.optimizer)
+        entry.drift.param_ptrs = [p.data_ptr() for p in self.reducer.params]
+        entry.drift.state_version = state_version
+        entry.policy.capture_succeeded()
+        self.cache.captured_any = True
+        self.cache.enforce_limits(entry, iteration)
+        if not entry.live:  # did not fit the memory cap
+            return self.run_owned(static)
+        with torch.cuda.stream(step.stream):
+            self.launch(entry)  # capture records without running: this performs the iteration
+        torch.cuda.synchronize(self.device)
+        entry.setup_s = time.perf_counter() - (entry.first_seen_s or t0)
+        segments = entry.segments(self.reducer.kinds)
+        self.cache.event(entry, iteration, "captured",
+                         f"{entry.collectives}; {segments}; capture {entry.capture_s * 1e3:.0f} ms, "
+                         f"pool {entry.pool_bytes / 2**20:.1f} MiB")
+        if self.rank == 0:
+            logger.info("captured [%s]: %s, capture %.0f ms, setup %.2f s",
+                        entry.description, entry.collectives, entry.capture_s * 1e3, entry.setup_s)
+        return static_loss
+
+    def _record(self, entry: GraphEntry, graph, static, pool):
+        """Record the iteration: one graph, or forward+backward and step graphs."""
+        step = self.step
+
+        def capturing(g):
+            return torch.cuda.graph(g, pool=pool, stream=step.stream, capture_error_mode="thread_local")
+
+        if not entry.eager_buckets:
+            with capturing(graph):
+                return step.body(static), None
+        self.reducer.defer_eager = True
+        try:
+            with capturing(graph):
+                loss = step.forward_backward(static)
+        finally:
+            self.reducer.defer_eager = False
+        entry.sparse_grads = {i: self.reducer.params[i].grad
+                              for i, s in enumerate(self.reducer.is_sparse) if s}
+        step_graph = torch.cuda.CUDAGraph()
+        try:
+            with capturing(step_graph):
+                step.apply_step(None, part="graphed")
+        except BaseException:
+            discard(step_graph)
+            raise
+        return loss, step_graph
+
+    def _config_text(self, entry: GraphEntry) -> str:
+        """What every rank must have captured alike besides the collectives."""
+        hyper = [{k: (float(v.item()) if isinstance(v, torch.Tensor) and v.numel() == 1 else
+                      (repr(v) if not isinstance(v, torch.Tensor) else "tensor"))
+                  for k, v in g.items()} for g in snapshot_hyperparams(self.optimizer)]
+        split = [(b, self.reducer.kinds[b]) for b in entry.eager_buckets]
+        return repr((entry.description, self.step.amp.name, self.step.max_grad_norm, hyper, split))
+
+    def _restore_after_failed_capture(self, generator, rng_snapshot) -> None:
+        """Undo what a failed capture leaves behind. A capture that dies before
+        ``capture_end`` leaves the CUDA generator in capture mode, and the next
+        eager dropout fails with 'Offset increment outside graph capture
+        encountered unexpectedly': give the generator its pre-capture state back."""
+        generator.graphsafe_set_state(rng_snapshot)
+        self.step.clear_grads()
+        self.step.reset_grad_scaler_round()
+        with torch.cuda.stream(self.step.stream):
+            if C.current_stream_is_capturing():
+                raise RuntimeError("pygraph_dist: the capture stream is still capturing after a "
+                                   "failed capture; cannot continue safely")
+        torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------ replay
+    def launch(self, entry: GraphEntry) -> None:
+        """Run one captured iteration on the current stream: the graph, or the
+        segments with the eager reductions (and sparse steps) between them."""
+        entry.graph.replay()
+        if entry.step_graph is None:
+            return
+        self.reducer.reduce_eager(entry.eager_buckets, entry.sparse_grads)
+        entry.step_graph.replay()
+        if self.step.sparse_ids:
+            self.step.apply_step(None, part="sparse")
+
+    def replay(self, entry: GraphEntry, leaves: list, *, iteration: int) -> torch.Tensor:
+        """``leaves``: the call's flattened (args, kwargs), in the order of entry.static_leaves."""
+        for static, leaf in zip(entry.static_leaves, leaves):
+            if isinstance(leaf, torch.Tensor) and leaf is not static:
+                static.copy_(leaf, non_blocking=True)
+        for p, view in zip(self.reducer.params, self.reducer.views):
+            if p.grad is not view and view is not None:
+                p.grad = view  # the user set it to None; the graph writes the view
+        self.launch(entry)
+        self.watchdog.after_replay(f"[{entry.description}] at iteration {iteration}")
+        return entry.static_loss
+
+    # --------------------------------------------------------- selection
+    def selecting(self, entry: GraphEntry, graphs_possible: bool) -> bool:
+        return self.select_enabled and graphs_possible and not entry.selection
+
+    @contextlib.contextmanager
+    def timed(self, into: list, enabled: bool):
+        """Wall time of the block, synchronised before and after, appended to ``into``."""
+        if not enabled:
+            yield
+            return
+        torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        yield
+        torch.cuda.synchronize(self.device)
+        into.append(time.perf_counter() - t0)
+
+    def select(self, entry: GraphEntry, *, iteration: int) -> None:
+        """Keep the graph only if its replay beats the eager iteration by the margin.
+
+        Every rank uses the maxima over ranks (an iteration takes as long as its
+        slowest rank), so every rank takes the same decision."""
+        # The first warm-up iteration carries lazy initialisation: leave it out when there are others.
+        eager_local = min(entry.eager_times[1:] or entry.eager_times or [0.0])
+        replay_local = min(entry.replay_times)
+        eager_us, replay_us = agreement.agreed_max(
+            [int(eager_local * 1e6), int(replay_local * 1e6)], group=self.group, device=self.agree_device)
+        entry.eager_ms, entry.replay_ms = eager_us / 1e3, replay_us / 1e3
+        if eager_us == 0:
+            entry.selection = "kept (no eager iteration was timed)"
+            return
+        margin = self.select_margin
+        text = (f"replay {replay_us / 1e3:.2f} ms vs eager {eager_us / 1e3:.2f} ms "
+                f"({eager_us / max(replay_us, 1):.2f}x, max over ranks, synchronised)")
+        if replay_us <= eager_us * (1.0 - margin):
+            entry.selection = f"kept: {text}"
+            self.cache.event(entry, iteration, "selected", entry.selection)
+            return
+        entry.selection = f"dropped: {text}"
+        self.cache.release(entry)
+        entry.policy.reject(f"the graph is not faster than eager by {margin:.0%} "
+                            f"(select_margin): {text}")
+        self.cache.event(entry, iteration, "not selected", entry.policy.reason)
+        if self.rank == 0:
+            logger.info("graph for [%s] dropped: %s", entry.description, entry.policy.reason)
+
+
+def varying_paths(unused_seen: set) -> str:
+    """Non-empty when the set of parameters without a gradient changed between iterations."""
+    if len(unused_seen) <= 1:
+        return ""
+    sets = list(unused_seen)
+    varying = sorted(set().union(*sets) - set.intersection(*map(set, sets)))
+    shown = ", ".join(varying[:4]) + (f" +{len(varying) - 4}" if len(varying) > 4 else "")
+    return (f"parameter(s) {shown} received gradients in some iterations and not in others: the "
+            "forward pass takes data- or step-dependent paths, and a graph would replay one path "
+            "for ever. Make the forward take the same path every iteration (a bucket cannot leave "
+            "the graph for this: the forward itself would be frozen)")
+
+
+def _exception_chain(error: BaseException | None, limit: int = 6):
+    e, seen = error, 0
+    while e is not None and seen < limit:
+        yield e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+
+
+def _bucket_error(error: BaseException | None) -> BucketCaptureError | None:
+    """The BucketCaptureError in ``error``'s chain, if a bucket's all-reduce caused it."""
+    return next((e for e in _exception_chain(error) if isinstance(e, BucketCaptureError)), None)
+
+
+def describe_capture_error(error: BaseException | None) -> tuple[str, bool]:
+    """(reason, retryable) for a local capture failure."""
+    if error is None:
+        return "", True
+    bucket_error = _bucket_error(error)
+    if bucket_error is not None:
+        return str(bucket_error), True
+    # torch.cuda.graph.__exit__ ends the capture even when the body raised, so
+    # the error we catch may be capture_end's; the cause is in the chain.
+    chain = [f"{type(e).__name__}: {e}".strip() for e in _exception_chain(error, 4)]
+    text = "\n".join(chain)
+    first = chain[-1].splitlines()[0][:400] if chain else ""
+    if NOT_CAPTURABLE_TAG in text:
+        return first.replace(NOT_CAPTURABLE_TAG, "").strip(), False
+    lowered = text.lower()
+    if "not permitted when stream is capturing" in lowered or (
+        "capture" in lowered and ("invalidated" in lowered or "unsupported" in lowered)
+    ):
+        return (
+            "a host synchronisation happened during capture (e.g. .item(), .cpu(), nonzero, "
+            "boolean-mask indexing, a blocking copy, printing a tensor) in the model, the loss "
+            f"or the optimizer; CUDA said: {first}"
+        ), False
+    if "capturable is false" in lowered:
+        return f"the optimizer is not capturable: {first}", False
+    return first, True
+
+

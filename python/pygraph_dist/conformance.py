@@ -1,0 +1,164 @@
+"""The state of the user's training loop, and what it may do.
+
+A replayed graph performs forward, backward, reduction, clipping and the
+optimizer step at the model call, so afterwards the user's ``backward()``,
+``step()`` and ``zero_grad()`` must be no-ops, and anything else the loop
+does to parameters, gradients or optimizer state between the model call and
+``step()`` would be silently lost. :class:`LoopState` is the one owner of
+where the loop stands (stage, who runs backward and step this iteration,
+whether ``zero_grad()`` happened since the last step, the loss handed out,
+the probe's verdict) and of the rule for deviations: :meth:`violation`
+records one during the probe (the verdict is agreed across ranks and turns
+graphs off, the loop keeps running as written) and raises
+:class:`LoopConformanceError` once graphs run the iteration (the step has
+already happened; continuing would train differently from what the loop says).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable
+
+import torch
+
+from .monitor import LoopMonitor, Violation, user_location
+
+
+class LoopConformanceError(RuntimeError):
+    """The training loop changed after graphs were captured, in a way a replay cannot honour."""
+
+
+class Stage(enum.Enum):
+    IDLE = "idle"          # between optimizer.step() and the next model call
+    FORWARD = "forward"    # the model call returned; backward() expected
+    BACKWARD = "backward"  # backward() done; optimizer.step() expected
+
+
+class Mode(enum.Enum):
+    USER = "user"    # the loop as written: the user's backward() and step() do the work
+    OWNED = "owned"  # the engine ran (or replayed) the whole iteration at the model call
+
+
+AFTER_CALL = "between the model call and optimizer.step()"
+AFTER_BACKWARD = "between loss.backward() and optimizer.step()"
+
+
+class LoopState:
+    def __init__(self, owned_storages: Callable[[], set[int]], *, monitor: bool) -> None:
+        self.stage = Stage.IDLE
+        self.mode: Mode | None = None
+        self.zeroed_since_step = True
+        self.returned_loss: torch.Tensor | None = None
+        self.probe_done = False
+        self.verdict: str | None = None  # why the loop cannot be graphed, once agreed
+        self.monitor = LoopMonitor(self, owned_storages) if monitor else None
+
+    @property
+    def owned(self) -> bool:
+        return self.mode is Mode.OWNED
+
+    # ---------------------------------------------------------- the rule
+    def violation(self, what: str, fix: str, *, defer: bool = False) -> None:
+        """A deviation from a loop a graph can replay: recorded while the loop
+        runs as written (probe), raised once graphs run the iteration.
+
+        ``defer``: record it even then, to be raised at ``optimizer.step()``
+        (for calls seen inside the monitor's own handler, where the mode
+        cannot be popped)."""
+        if self.owned and not defer:
+            self.stop()
+            raise LoopConformanceError(f"{what} at {user_location()}, after graphs were captured. {fix}")
+        if self.monitor is not None and self.monitor.active:
+            self.monitor.record(what, fix)
+
+    def watch(self, window: str) -> None:
+        """Start (or move) the monitor's window over the user's code."""
+        if self.monitor is not None:
+            self.monitor.start(window)
+
+    def stop(self) -> list[Violation]:
+        return self.monitor.stop() if self.monitor is not None else []
+
+    # ------------------------------------------------------- transitions
+    def model_called(self) -> None:
+        """Before a training call of the model: a step must have ended the last one."""
+        if self.stage is not Stage.IDLE:
+            self.violation(
+                "the wrapped model was called again before optimizer.step() (gradient "
+                "accumulation, or a second forward pass in one training step)",
+                "Each graph replay is one full optimizer step: use one model call per "
+                "optimizer.step(), or wrap(..., graphs=False)." if self.owned else
+                "One model call per optimizer.step() can be graphed.",
+            )
+
+    def user_forward(self, *, probe: bool, grads_present: bool) -> None:
+        """The loop runs as written this iteration."""
+        if probe and not self.zeroed_since_step and grads_present and self.monitor is not None:
+            self.monitor.start("before the model call")
+            self.monitor.record(
+                "optimizer.zero_grad() was not called since the previous optimizer.step(), so "
+                "gradients accumulate across iterations",
+                "A graph overwrites gradients every iteration; call zero_grad() once per step.",
+            )
+        self.mode = Mode.USER
+
+    def handed_out(self, loss: torch.Tensor, *, watch: bool = True) -> None:
+        self.returned_loss = loss
+        self.stage = Stage.FORWARD
+        if watch:
+            self.watch(AFTER_CALL)
+
+    def backward_called(self, target, kwargs: dict) -> bool:
+        """A ``backward()`` in the user's window; returns whether it should run."""
+        if isinstance(target, (list, tuple)) and len(target) == 1:
+            target = target[0]
+        extra = any(kwargs.get(k) is not None for k in ("gradient", "grad_tensors", "inputs")) or bool(
+            kwargs.get("create_graph"))
+        expected = target is self.returned_loss and not extra and self.stage is Stage.FORWARD
+        if not expected:
+            self.violation(
+                "backward() was called on a tensor other than the loss returned by the model call "
+                "(for example loss / accumulation_steps, a sum with another loss, or "
+                "scaler.scale(loss)), or with extra arguments"
+                if target is not self.returned_loss or extra
+                else "backward() was called twice in one training step",
+                "A graph applies the backward of the returned loss. Compute the full loss inside "
+                "the model or loss_fn=..., and use amp='fp16' instead of your own GradScaler.",
+            )
+        if self.monitor is not None:
+            self.monitor.set_window(AFTER_BACKWARD)
+        if self.owned:
+            self.stage = Stage.BACKWARD
+            return False  # the graph (or the owned iteration) already ran it
+        return True
+
+    def backward_finished(self) -> None:
+        """End of an autograd backward that reduced gradients (the user's)."""
+        if self.mode is Mode.USER:
+            self.stage = Stage.BACKWARD
+
+    def step_called(self, closure, *, probe: bool) -> list[Violation]:
+        """``optimizer.step()``: check it, close the window and return what the probe saw."""
+        if closure is not None:
+            self.violation("optimizer.step(closure) re-evaluates the model",
+                           "Closures re-evaluate the model; a graph cannot. Change the loop back, "
+                           "or wrap(..., graphs=False)." if self.owned else
+                           "Closures re-evaluate the model; a graph cannot.")
+        if self.stage is Stage.FORWARD and (self.owned or probe) and self.monitor is not None:
+            self.violation("optimizer.step() was called without loss.backward()",
+                           "A graph always runs backward before the step. Call loss.backward().")
+        seen = self.stop()
+        if self.owned and seen:
+            raise LoopConformanceError(
+                f"{seen[0]} — after graphs were captured, the optimizer step already ran inside "
+                "the graph. Change the loop back, or wrap(..., graphs=False)."
+            )
+        self.stage = Stage.IDLE
+        self.zeroed_since_step = False
+        return seen
+
+    def zero_grad_called(self) -> None:
+        if self.stage is Stage.BACKWARD:
+            self.violation("zero_grad() between loss.backward() and optimizer.step() discards the "
+                           "gradients", "Call zero_grad() before the model call or after step().")
+        self.zeroed_since_step = True

@@ -1,0 +1,244 @@
+"""What one training iteration does, and so what a graph contains.
+
+Forward (with rank 0's buffers, under autocast), the loss, backward with the
+gradient reduction, clipping, and the optimizer step (through the GradScaler
+for fp16). The same functions run in every mode — probe, warm-up, capture,
+eager — so graphed and eager training perform the same kernels in the same
+order and stay bitwise equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .amp import AmpConfig, ScaleGrad
+from .reducer import GradientReducer
+
+
+class IterationStep:
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        reducer: GradientReducer,
+        *,
+        amp: AmpConfig,
+        grad_scaler: torch.amp.GradScaler | None,
+        loss_fn: Callable | None,
+        max_grad_norm: float | None,
+        group: dist.ProcessGroup,
+        broadcast_buffers: bool,
+        device: torch.device,
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.reducer = reducer
+        self.amp = amp
+        self.grad_scaler = grad_scaler
+        self.loss_fn = loss_fn
+        self.max_grad_norm = max_grad_norm
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.buffers = list(module.buffers()) if broadcast_buffers and self.world_size > 1 else []
+        self.sparse_ids = {id(p) for p in reducer.sparse_params}
+        # True while the engine itself calls optimizer.step(): the graph-aware
+        # optimizer then runs the real step instead of routing to the engine.
+        self.delegating = False
+
+    # ---------------------------------------------------------- streams
+    @contextlib.contextmanager
+    def on_compute_stream(self):
+        """Run on the capture stream, ordered after and before the caller's stream.
+
+        Every iteration computes there, probe and eager ones included, so that
+        the AccumulateGrad nodes autograd caches per parameter (kept alive by
+        any loss the user still holds) always carry the capture stream; a node
+        created on another stream makes capture fail (torch warns "The
+        AccumulateGrad node's stream does not match", input_buffer.cpp)."""
+        if self.stream is None:
+            yield
+            return
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            yield
+        current.wait_stream(self.stream)
+
+    # ------------------------------------------------------------ parts
+    def loss(self, args, kwargs) -> torch.Tensor:
+        if self.loss_fn is None:
+            return extract_loss(self.module(*args, **kwargs), "the wrapped module")
+        if not args:
+            raise TypeError(
+                "with loss_fn=..., call the wrapped model as model(*inputs, target): the last "
+                "positional argument is the target"
+            )
+        out = self.module(*args[:-1], **kwargs)
+        return extract_loss(self.loss_fn(out, args[-1]), "loss_fn")
+
+    def forward(self, args, kwargs) -> torch.Tensor:
+        """Buffers, then the loss under autocast; the reducer armed for backward."""
+        self.reducer.enabled = True
+        self.broadcast_buffers()
+        with self.amp.autocast():
+            return self.loss(args, kwargs)
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The tensor whose backward the iteration runs (fp16: the scale applied in backward)."""
+        if self.grad_scaler is None:
+            return loss
+        return ScaleGrad.apply(loss, self.grad_scaler._scale)  # noqa: SLF001
+
+    def forward_backward(self, inputs) -> torch.Tensor:
+        args, kwargs = inputs
+        loss = self.forward(args, kwargs)
+        self.scaled(loss).backward()
+        self.reducer.finish_pending()
+        return loss.detach()
+
+    def body(self, inputs) -> torch.Tensor:
+        """The whole iteration: what a one-graph capture contains."""
+        loss = self.forward_backward(inputs)
+        self.apply_step(None)
+        return loss
+
+    def apply_step(self, closure, part: str = "all"):
+        """Clip (if configured), then step — through GradScaler for fp16.
+
+        With sparse parameters the step is split, always in the same way:
+        ``part="graphed"`` steps the dense parameters (the step graph),
+        ``part="sparse"`` the sparse ones (eagerly: sparse updates sync), and
+        ``"all"`` does both in that order, so eager and graphed training
+        run the same kernels. wrap() refuses clipping and fp16 with sparse
+        gradients, so both parts are plain optimizer steps."""
+        self.delegating = True
+        try:
+            ids = self.sparse_ids
+            if ids:
+                result = None
+                if part in ("all", "graphed"):
+                    with only_params(self.optimizer, lambda p: id(p) not in ids):
+                        result = self._optimizer_step(closure)
+                if part in ("all", "sparse"):
+                    with only_params(self.optimizer, lambda p: id(p) in ids):
+                        self.optimizer.step()
+                return result
+            if self.max_grad_norm is not None:
+                if self.grad_scaler is not None:
+                    self.grad_scaler.unscale_(self.optimizer)
+                grads = [p for p in self.reducer.params if p.grad is not None]
+                torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+            if self.grad_scaler is not None:
+                result = self.grad_scaler.step(self.optimizer)
+                self.grad_scaler.update()
+                return result
+            return self._optimizer_step(closure)
+        finally:
+            self.delegating = False
+
+    def _optimizer_step(self, closure):
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    def clear_grads(self) -> None:
+        for p in self.reducer.params:
+            p.grad = None
+
+    def reset_grad_scaler_round(self) -> None:
+        """Forget what a failed capture left in the scaler's per-optimizer state."""
+        if self.grad_scaler is not None:
+            from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+            self.grad_scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)  # noqa: SLF001
+
+    # ----------------------------------------------------------- inputs
+    def to_device(self, args, kwargs):
+        if self.device.type != "cuda":
+            return args, kwargs
+
+        def move(x):
+            if isinstance(x, torch.Tensor) and x.device != self.device:
+                return x.to(self.device, non_blocking=True)
+            return x
+
+        return pytree.tree_map(move, (args, kwargs))
+
+    def static_copy(self, x):
+        if isinstance(x, torch.Tensor):
+            s = torch.empty_like(x, device=self.device)
+            s.copy_(x)
+            return s
+        return x
+
+    def evaluate(self, args, kwargs):
+        """Eval mode or no_grad: the module's own output (or loss_fn's), no graphs."""
+        args, kwargs = self.to_device(args, kwargs)
+        with self.amp.autocast():
+            if self.loss_fn is None:
+                return self.module(*args, **kwargs)
+            return self.loss_fn(self.module(*args[:-1], **kwargs), args[-1])
+
+    # ---------------------------------------------------------- buffers
+    def broadcast_buffers(self) -> None:
+        """Rank 0's buffers at the start of every forward, as DDP(broadcast_buffers=True)."""
+        if not self.buffers:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+        for b in self.buffers:
+            by_dtype[b.dtype].append(b)
+        for tensors in by_dtype.values():
+            flat = torch._utils._flatten_dense_tensors(tensors)
+            dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
+            if self.rank != 0:
+                torch._foreach_copy_(tensors, torch._utils._unflatten_dense_tensors(flat, tensors))
+
+    def sync_module_states(self) -> None:
+        """Start every rank from rank 0's parameters and buffers, as DDP does."""
+        if self.world_size == 1:
+            return
+        src = dist.get_global_rank(self.group, 0)
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                dist.broadcast(t.data, src=src, group=self.group)
+
+
+def extract_loss(out, source: str) -> torch.Tensor:
+    loss = out
+    if not isinstance(loss, torch.Tensor):
+        if isinstance(out, dict) and "loss" in out:
+            loss = out["loss"]
+        elif getattr(out, "loss", None) is not None:
+            loss = out.loss
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(out).__name__
+        raise TypeError(
+            f"pygraph_dist.wrap(): {source} must produce the scalar loss, got {shape}. Either make "
+            "the module return the loss (a one-element tensor, or an object with a .loss such as "
+            "Hugging Face outputs), or pass loss_fn=...: the model is then called as "
+            "model(*inputs, target) and returns loss_fn(module(*inputs), target)."
+        )
+    return loss
+
+
+@contextlib.contextmanager
+def only_params(optimizer: torch.optim.Optimizer, keep: Callable[[torch.Tensor], bool]):
+    """Let ``optimizer.step()`` see only the parameters ``keep`` selects.
+    Per-parameter optimizers (all that wrap() accepts with sparse gradients)
+    update each parameter from its own state, so a split step is the same step."""
+    saved = [g["params"] for g in optimizer.param_groups]
+    try:
+        for g in optimizer.param_groups:
+            g["params"] = [p for p in g["params"] if keep(p)]
+        yield
+    finally:
+        for g, params in zip(optimizer.param_groups, saved):
+            g["params"] = params
