@@ -16,6 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).with_name("workers.py")
+RANK_MAIN = Path(__file__).with_name("rank_main.py")
 
 # Never let a test touch NVLink multicast (see the device notes); inherited by every child.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -69,17 +70,28 @@ def run_ranks(
     world_size: int = 2,
     timeout: float = 120,
     args: list[str] | None = None,
+    kwargs: dict | None = None,
     env: dict | None = None,
     expect_success: bool = True,
 ) -> list[dict]:
-    """Run ``workers.py <case>`` as ``world_size`` ranks (torchrun-style environment).
+    """Run ``case`` as ``world_size`` ranks (torchrun-style environment).
+
+    ``case`` is ``"module:function"`` (a function in a test module, run by
+    ``rank_main.py`` with ``kwargs`` as keyword arguments) or the name of a
+    case in ``workers.py`` (with ``args``).
 
     Every rank must finish within ``timeout`` seconds or all are killed and the
     test fails with their output. Returns each rank's JSON result (or, with
     ``expect_success=False``, dicts with returncode and output).
     """
     port = free_port()
-    out_dir = tmp_path / f"{case}-{port}"
+    out_dir = tmp_path / f"{case.replace(':', '.')}-{port}"
+    if ":" in case:
+        command = [str(RANK_MAIN), case, "--out", str(out_dir)]
+        for k, v in (kwargs or {}).items():
+            command += [f"--{k}", str(v)]
+    else:
+        command = [str(WORKERS), case, "--out", str(out_dir), *(args or [])]
     out_dir.mkdir(parents=True)
     procs = []
     for rank in range(world_size):
@@ -92,7 +104,7 @@ def run_ranks(
             env_r.update(env)
         log = open(out_dir / f"rank{rank}.log", "w")
         procs.append((subprocess.Popen(
-            [sys.executable, str(WORKERS), case, "--out", str(out_dir), *(args or [])],
+            [sys.executable, *command],
             env=env_r, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
         ), log))
     deadline = time.monotonic() + timeout
