@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch  # noqa: F401 - loads libtorch before the extension
@@ -47,11 +48,13 @@ logging.getLogger("pygraph_dist").addHandler(logging.NullHandler())
 
 
 class GraphedModule(torch.nn.Module):
-    """The wrapped model. Calling it runs one training iteration and returns the loss.
+    """The wrapped model. Calling it in training runs one training iteration (or
+    its forward, when the loop trains eagerly) and returns what the module
+    returns — a loss, a tuple, a dict, a Hugging Face output.
 
-    The returned loss is a fresh tensor each iteration (it does not alias the
-    graph's static output). ``.module`` is the original module; its
-    ``state_dict`` keys carry the ``module.`` prefix, as with DDP.
+    Returned tensors are fresh each iteration (they never alias a graph's static
+    outputs, which the next replay overwrites). ``.module`` is the original
+    module; its ``state_dict`` keys carry the ``module.`` prefix, as with DDP.
     """
 
     def __init__(self, module: torch.nn.Module, engine: Engine) -> None:
@@ -64,6 +67,18 @@ class GraphedModule(torch.nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._engine.optimizer_zero_grad(set_to_none)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """As ``DistributedDataParallel.no_sync()``: backward passes of model calls
+        made inside accumulate gradients locally, without all-reduce; the first
+        backward of a call made outside reduces the accumulated gradients."""
+        engine = self._engine
+        previous, engine.require_sync = engine.require_sync, False
+        try:
+            yield
+        finally:
+            engine.require_sync = previous
 
     def static_inputs(self):
         """The (args, kwargs) buffers the most recently captured graph reads, or None.

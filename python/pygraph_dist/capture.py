@@ -64,17 +64,17 @@ class GraphRunner:
         self.sync_sites: list[str] = []  # host syncs the probe saw in forward (a hint)
 
     # ----------------------------------------------------------- warm-up
-    def run_owned(self, inputs) -> torch.Tensor:
-        """One whole iteration, eagerly, on the capture stream."""
+    def run_owned(self, inputs):
+        """One whole iteration, eagerly, on the capture stream; ``(loss, outputs)``."""
         with self.step.on_compute_stream():
             self.step.clear_grads()
             return self.step.body(inputs)
 
     # ----------------------------------------------------------- capture
     def capture(self, entry: GraphEntry, args, kwargs, *, iteration: int,
-                state_version: int) -> torch.Tensor:
+                state_version: int):
         """Capture, agree, and perform this iteration (by a first launch, or
-        eagerly when the ranks did not agree). Returns the iteration's loss."""
+        eagerly when the ranks did not agree). Returns ``(loss, outputs)``."""
         step = self.step
         static = pytree.tree_map(step.static_copy, step.to_device(args, kwargs))
         entry.static = static
@@ -95,9 +95,9 @@ class GraphRunner:
         reserved0 = torch.cuda.memory_reserved(self.device)
         t0 = time.perf_counter()
         error: BaseException | None = None
-        static_loss = None
+        static_result = None
         try:
-            static_loss, step_graph = self._record(entry, graph, static, pool)
+            static_result, step_graph = self._record(entry, graph, static, pool)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an agreed fallback
             error = exc
         finally:
@@ -152,7 +152,7 @@ class GraphRunner:
                                           group=self.group, device=self.agree_device)[0]
         entry.graph = graph
         entry.step_graph = step_graph
-        entry.static_loss = static_loss
+        entry.static_result = static_result
         entry.collectives = (fingerprint.describe(4) if fingerprint is not None
                              else "not recorded (stock backend)")
         entry.n_collectives = len(fingerprint) if fingerprint is not None else -1
@@ -176,7 +176,7 @@ class GraphRunner:
         if self.rank == 0:
             logger.info("captured [%s]: %s, capture %.0f ms, setup %.2f s",
                         entry.description, entry.collectives, entry.capture_s * 1e3, entry.setup_s)
-        return static_loss
+        return static_result
 
     def _record(self, entry: GraphEntry, graph, static, pool):
         """Record the iteration: one graph, or forward+backward and step graphs."""
@@ -191,7 +191,7 @@ class GraphRunner:
         self.reducer.defer_eager = True
         try:
             with capturing(graph):
-                loss = step.forward_backward(static)
+                result = step.forward_backward(static)
         finally:
             self.reducer.defer_eager = False
         entry.sparse_grads = {i: self.reducer.params[i].grad
@@ -203,7 +203,7 @@ class GraphRunner:
         except BaseException:
             discard(step_graph)
             raise
-        return loss, step_graph
+        return result, step_graph
 
     def _config_text(self, entry: GraphEntry) -> str:
         """What every rank must have captured alike besides the collectives."""
@@ -239,7 +239,7 @@ class GraphRunner:
         if self.step.sparse_ids:
             self.step.apply_step(None, part="sparse")
 
-    def replay(self, entry: GraphEntry, leaves: list, *, iteration: int) -> torch.Tensor:
+    def replay(self, entry: GraphEntry, leaves: list, *, iteration: int):
         """``leaves``: the call's flattened (args, kwargs), in the order of entry.static_leaves."""
         for static, leaf in zip(entry.static_leaves, leaves):
             if isinstance(leaf, torch.Tensor) and leaf is not static:
@@ -249,7 +249,7 @@ class GraphRunner:
                 p.grad = view  # the user set it to None; the graph writes the view
         self.launch(entry)
         self.watchdog.after_replay(f"[{entry.description}] at iteration {iteration}")
-        return entry.static_loss
+        return entry.static_result
 
     # --------------------------------------------------------- selection
     def selecting(self, entry: GraphEntry, graphs_possible: bool) -> bool:

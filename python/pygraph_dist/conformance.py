@@ -80,15 +80,24 @@ class LoopState:
         return self.monitor.stop() if self.monitor is not None else []
 
     # ------------------------------------------------------- transitions
-    def model_called(self) -> None:
-        """Before a training call of the model: a step must have ended the last one."""
+    def model_called(self, *, in_no_sync: bool = False) -> None:
+        """Before a training call of the model: in a graphed loop, a step must
+        have ended the last one, outside ``no_sync()``."""
         if self.stage is not Stage.IDLE:
             self.violation(
                 "the wrapped model was called again before optimizer.step() (gradient "
                 "accumulation, or a second forward pass in one training step)",
                 "Each graph replay is one full optimizer step: use one model call per "
                 "optimizer.step(), or wrap(..., graphs=False)." if self.owned else
-                "One model call per optimizer.step() can be graphed.",
+                "One model call per optimizer.step() can be graphed as one iteration; accumulation "
+                "trains eagerly, as written.",
+            )
+        if in_no_sync:
+            self.violation(
+                "the model was called inside model.no_sync() (gradient accumulation without "
+                "reduction)",
+                "A graphed iteration always reduces gradients; accumulation trains eagerly, as "
+                "written." if not self.owned else "Change the loop back, or wrap(..., graphs=False).",
             )
 
     def user_forward(self, *, probe: bool, grads_present: bool) -> None:
@@ -102,7 +111,8 @@ class LoopState:
             )
         self.mode = Mode.USER
 
-    def handed_out(self, loss: torch.Tensor, *, watch: bool = True) -> None:
+    def handed_out(self, loss: torch.Tensor | None, *, watch: bool = True) -> None:
+        """The model call returned; ``loss`` is the loss among its outputs, or None."""
         self.returned_loss = loss
         self.stage = Stage.FORWARD
         if watch:
@@ -115,7 +125,15 @@ class LoopState:
         extra = any(kwargs.get(k) is not None for k in ("gradient", "grad_tensors", "inputs")) or bool(
             kwargs.get("create_graph"))
         expected = target is self.returned_loss and not extra and self.stage is Stage.FORWARD
-        if not expected:
+        if not expected and self.returned_loss is None:
+            self.violation(
+                "the loss is computed outside the model (the model call returned no loss, and "
+                "backward() was called on the user's own loss)",
+                "A whole-iteration graph needs the loss inside the model call: return it from the "
+                "module (or an output with .loss), or pass wrap(..., loss_fn=...) and call "
+                "model(*inputs, target).",
+            )
+        elif not expected:
             self.violation(
                 "backward() was called on a tensor other than the loss returned by the model call "
                 "(for example loss / accumulation_steps, a sum with another loss, or "

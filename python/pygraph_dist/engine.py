@@ -55,7 +55,7 @@ from .graph_cache import GraphCache, GraphEntry
 from .monitor import storage_ptr, watch_host_syncs
 from .optim import make_graph_aware, prepare_optimizer
 from .reducer import GradientReducer
-from .step import IterationStep
+from .step import IterationStep, map_outputs
 from .watchdog import ReplayWatchdog
 
 logger = logging.getLogger("pygraph_dist")
@@ -131,7 +131,8 @@ class Engine:
                                   group=self.group, agree_device=self.agree_device,
                                   fp_backend=self.fp_backend, watchdog=self.watchdog,
                                   select=config.select, select_margin=config.select_margin)
-        self.iteration = 0
+        self.iteration = 0  # optimizer steps begun (model calls that start a step)
+        self.require_sync = True  # False inside GraphedModule.no_sync()
         self.opt_state_version = 0
         self.closed = False
         self._entry: GraphEntry | None = None
@@ -141,7 +142,7 @@ class Engine:
             logger.info("optimizer %s reconfigured for capture: %s", self._base_cls.__name__,
                         ", ".join(self.opt_plan.changes))
         if self.graphs_reason and self.rank == 0:
-            logger.info("graphs unavailable (%s); training runs eagerly", self.graphs_reason)
+            logger.info("graphs unavailable: %s", self.graphs_reason)
         self.serial = lifetime.register(self)
 
     def _why_no_graphs(self, devices: list[str]) -> str:
@@ -177,8 +178,13 @@ class Engine:
         if not (self.module.training and torch.is_grad_enabled()) or self.closed:
             # Evaluation, or after teardown (no process group left): the module as is.
             return self.step.evaluate(args, kwargs)
-        self.loop.model_called()
         self.reducer.finish_pending()
+        if self.loop.stage is not Stage.IDLE and not self.loop.owned:
+            # Another model call in the same optimizer step (gradient accumulation,
+            # several forwards): the loop runs as written, as with DDP.
+            self.loop.model_called(in_no_sync=not self.require_sync)
+            return self._user_forward(args, kwargs, probe=self._phase == Phase.PROBE)
+        self.loop.model_called(in_no_sync=not self.require_sync)
         self.iteration += 1
         args, kwargs = self.cache.pad(args, kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -243,7 +249,8 @@ class Engine:
         return entry
 
     def _user_forward(self, args, kwargs, *, probe: bool):
-        """Forward as written; the user's backward() and step() do the rest."""
+        """Forward as written; the user's backward() and step() do the rest.
+        Returns what the module returns."""
         if self.loop.owned and self.loop.zeroed_since_step:
             self.step.clear_grads()  # the user's zero_grad() was a no-op during owned iterations
         self.loop.user_forward(probe=probe,
@@ -251,19 +258,29 @@ class Engine:
         args, kwargs = self.step.to_device(args, kwargs)
         with self.step.on_compute_stream(), watch_host_syncs(
                 probe and self.device.type == "cuda", self.runner.sync_sites):
-            loss = self.step.forward(args, kwargs)
-        out = self.step.scaled(loss)
-        self.loop.handed_out(out, watch=probe)
+            loss, out = self.step.forward(args, kwargs, sync=self.require_sync, need_loss=False)
+        if self.grad_scaler is not None:
+            # amp="fp16": the scale is applied in backward. To the loss when the
+            # module returns one; otherwise to every output, so that whatever
+            # loss the user computes from them is scaled exactly once.
+            if loss is not None:
+                scaled = self.step.scaled(loss)
+                out = map_outputs(out, lambda t: scaled if t is loss else t)
+                loss = scaled
+            else:
+                out = map_outputs(out, lambda t: self.step.scaled(t) if t.requires_grad else t)
+        self.loop.handed_out(loss, watch=probe)
         return out
 
-    def _hand_out(self, loss: torch.Tensor) -> torch.Tensor:
-        """A fresh tensor with this iteration's loss: the static one is overwritten by
-        the next replay. It requires grad so that the user's ``loss.backward()`` is
-        valid; the monitor turns that call into a no-op."""
-        out = loss.detach().clone()
-        out.requires_grad_(True)
-        self.loop.handed_out(out)
-        return out
+    def _hand_out(self, result):
+        """The outputs of an iteration the engine ran: fresh tensors, since the
+        graph's own are overwritten by the next replay. The loss requires grad so
+        that the user's ``loss.backward()`` is valid; the monitor makes it a no-op."""
+        loss, out = result
+        fresh = loss.detach().clone()
+        fresh.requires_grad_(True)
+        self.loop.handed_out(fresh)
+        return map_outputs(out, lambda t: fresh if t is loss else t.detach().clone())
 
     def _on_backward_finished(self) -> None:
         if self._entry is not None:
@@ -291,9 +308,11 @@ class Engine:
             self._base_cls.zero_grad(self.optimizer, set_to_none)
 
     def _finish_probe(self, entry: GraphEntry, violations) -> None:
+        whats: set[str] = set()
+        unique = [v for v in violations if not (v.what in whats or whats.add(v.what))]  # each once
         verdict = agreement.agree(
             ok=not violations,
-            reason="; ".join(str(v) for v in violations),
+            reason="; ".join(str(v) for v in unique),
             digests=[],
             group=self.group,
             device=self.agree_device,

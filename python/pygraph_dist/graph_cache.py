@@ -54,7 +54,7 @@ class GraphEntry:
     # Static inputs and output the graphs read and write.
     static: Any = None  # (args, kwargs) with device tensors
     static_leaves: list = field(default_factory=list)
-    static_loss: torch.Tensor | None = None
+    static_result: Any = None  # (loss, outputs) the graph writes
     # What the capture recorded.
     collectives: str = ""
     n_collectives: int = 0
@@ -177,7 +177,7 @@ class GraphCache:
         entry.graph = None
         entry.step_graph = None
         entry.sparse_grads = {}
-        entry.static_loss = None
+        entry.static_result = None
 
     def invalidate(self, entry: GraphEntry, iteration: int, reason: str) -> None:
         self.release(entry)
@@ -291,5 +291,6 @@ def describe_entries(entries, bucket_kinds: list[str]) -> list:
             capture_ms=e.capture_s * 1e3, setup_s=e.setup_s, pool_mib=e.pool_bytes / 2**20,
             segments=e.segments(bucket_kinds), selection=e.selection,
             eager_ms=e.eager_ms, replay_ms=e.replay_ms, live=e.live,
+            tier="1" if e.live else ("3" if p.phase == Phase.EAGER else ""),
         ))
     return out

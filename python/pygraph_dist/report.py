@@ -26,6 +26,9 @@ class GraphReport:
     eager_ms: float = 0.0
     replay_ms: float = 0.0
     live: bool = False    # a graph for these inputs is held now
+    # 1: the whole iteration graphed; 3: eager, as written (reason says why
+    # and what reaches tier 1); "" while probing or warming up.
+    tier: str = ""
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class Report:
             if m.eager_buckets:
                 lines.append("  gradient buckets outside the graph:")
                 lines += [f"    {b}" for b in m.eager_buckets]
-            header = (f"  {'inputs':<34} {'phase':<8} {'iters':>6} {'replays':>8} {'eager':>6} "
+            header = (f"  {'inputs':<34} {'tier':<4} {'phase':<8} {'iters':>6} {'replays':>8} {'eager':>6} "
                       f"{'capture':>8} {'setup':>7} {'pool':>8}  collectives / reason")
             lines.append(header)
             for g in m.graphs:
@@ -85,7 +88,7 @@ class Report:
                     tail = "(reason above)"
                 shown.add(g.reason)
                 lines.append(
-                    f"  {g.inputs[:34]:<34} {g.phase:<8} {g.iterations:>6} {g.replays:>8} "
+                    f"  {g.inputs[:34]:<34} {g.tier or '-':<4} {g.phase:<8} {g.iterations:>6} {g.replays:>8} "
                     f"{g.eager_iterations:>6} {g.capture_ms:>6.0f}ms {g.setup_s:>6.2f}s "
                     f"{g.pool_mib:>6.1f}Mi  {tail}"
                 )

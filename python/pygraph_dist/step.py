@@ -75,23 +75,30 @@ class IterationStep:
         current.wait_stream(self.stream)
 
     # ------------------------------------------------------------ parts
-    def loss(self, args, kwargs) -> torch.Tensor:
+    def outputs(self, args, kwargs):
+        """What the model call computes: the module's output, or loss_fn's."""
         if self.loss_fn is None:
-            return extract_loss(self.module(*args, **kwargs), "the wrapped module")
+            return self.module(*args, **kwargs)
         if not args:
             raise TypeError(
                 "with loss_fn=..., call the wrapped model as model(*inputs, target): the last "
                 "positional argument is the target"
             )
-        out = self.module(*args[:-1], **kwargs)
-        return extract_loss(self.loss_fn(out, args[-1]), "loss_fn")
+        return self.loss_fn(self.module(*args[:-1], **kwargs), args[-1])
 
-    def forward(self, args, kwargs) -> torch.Tensor:
-        """Buffers, then the loss under autocast; the reducer armed for backward."""
-        self.reducer.enabled = True
+    def forward(self, args, kwargs, *, sync: bool = True, need_loss: bool = True):
+        """Buffers, then the outputs under autocast, the reducer armed for the
+        backward that follows (``sync=False``: inside ``no_sync()``, gradients
+        accumulate locally). Returns ``(loss, outputs)``; ``loss`` is None when
+        the outputs hold no loss and ``need_loss`` is False."""
+        self.reducer.enabled = sync
         self.broadcast_buffers()
         with self.amp.autocast():
-            return self.loss(args, kwargs)
+            out = self.outputs(args, kwargs)
+        loss = find_loss(out)
+        if loss is None and need_loss:
+            raise TypeError(loss_error(out, "loss_fn" if self.loss_fn is not None else "the wrapped module"))
+        return loss, out
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """The tensor whose backward the iteration runs (fp16: the scale applied in backward)."""
@@ -99,18 +106,22 @@ class IterationStep:
             return loss
         return ScaleGrad.apply(loss, self.grad_scaler._scale)  # noqa: SLF001
 
-    def forward_backward(self, inputs) -> torch.Tensor:
+    def forward_backward(self, inputs):
+        """Forward and backward of the whole batch; ``(loss, outputs)``."""
         args, kwargs = inputs
-        loss = self.forward(args, kwargs)
+        loss, out = self.forward(args, kwargs)
         self.scaled(loss).backward()
         self.reducer.finish_pending()
-        return loss.detach()
+        # Detached, so that a graph's static outputs hold no autograd graph;
+        # the loss keeps its identity inside the outputs.
+        detached = loss.detach()
+        return detached, map_outputs(out, lambda t: detached if t is loss else t.detach())
 
-    def body(self, inputs) -> torch.Tensor:
-        """The whole iteration: what a one-graph capture contains."""
-        loss = self.forward_backward(inputs)
+    def body(self, inputs):
+        """The whole iteration: what a one-graph capture contains; ``(loss, outputs)``."""
+        result = self.forward_backward(inputs)
         self.apply_step(None)
-        return loss
+        return result
 
     def apply_step(self, closure, part: str = "all"):
         """Clip (if configured), then step — through GradScaler for fp16.
@@ -183,9 +194,7 @@ class IterationStep:
         """Eval mode or no_grad: the module's own output (or loss_fn's), no graphs."""
         args, kwargs = self.to_device(args, kwargs)
         with self.amp.autocast():
-            if self.loss_fn is None:
-                return self.module(*args, **kwargs)
-            return self.loss_fn(self.module(*args[:-1], **kwargs), args[-1])
+            return self.outputs(args, kwargs)
 
     # ---------------------------------------------------------- buffers
     def broadcast_buffers(self) -> None:
@@ -211,22 +220,48 @@ class IterationStep:
                 dist.broadcast(t.data, src=src, group=self.group)
 
 
-def extract_loss(out, source: str) -> torch.Tensor:
+def find_loss(out) -> torch.Tensor | None:
+    """The scalar loss in a model call's outputs: the output itself, ``out["loss"]``
+    or ``out.loss`` (Hugging Face outputs) — or None."""
     loss = out
     if not isinstance(loss, torch.Tensor):
         if isinstance(out, dict) and "loss" in out:
             loss = out["loss"]
         elif getattr(out, "loss", None) is not None:
             loss = out.loss
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(out).__name__
-        raise TypeError(
-            f"pygraph_dist.wrap(): {source} must produce the scalar loss, got {shape}. Either make "
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+        return loss
+    return None
+
+
+def loss_error(out, source: str) -> str:
+    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    return (f"pygraph_dist.wrap(): {source} must produce the scalar loss, got {shape}. Either make "
             "the module return the loss (a one-element tensor, or an object with a .loss such as "
             "Hugging Face outputs), or pass loss_fn=...: the model is then called as "
-            "model(*inputs, target) and returns loss_fn(module(*inputs), target)."
-        )
-    return loss
+            "model(*inputs, target) and returns loss_fn(module(*inputs), target).")
+
+
+def map_outputs(out, fn):
+    """``out`` with every tensor replaced by ``fn(tensor)``, keeping its structure
+    (tensor, tuple, list, dict, Hugging Face ``ModelOutput``, or anything else as is)."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if isinstance(out, dict):
+        items = {k: map_outputs(v, fn) for k, v in out.items()}
+        if type(out) is dict:
+            return items
+        try:
+            return type(out)(**items)  # ModelOutput dataclasses, OrderedDict subclasses
+        except TypeError:
+            copy = type(out)()
+            copy.update(items)
+            return copy
+    if isinstance(out, tuple) and hasattr(out, "_fields"):
+        return type(out)(*(map_outputs(v, fn) for v in out))
+    if isinstance(out, (tuple, list)):
+        return type(out)(map_outputs(v, fn) for v in out)
+    return out
 
 
 @contextlib.contextmanager
