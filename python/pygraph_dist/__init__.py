@@ -114,6 +114,7 @@ def wrap(
     select_margin: float = 0.02,
     pad_batch_to: tuple[int, ...] | list[int] = (),
     pad_value=0,
+    skip_nonfinite: bool = False,
 ) -> tuple[GraphedModule, torch.optim.Optimizer]:
     """Wrap a model and its optimizer for graphed data-parallel training.
 
@@ -146,6 +147,11 @@ def wrap(
             ``pad_value=(0, -100)`` fills targets with cross-entropy's
             ``ignore_index``. A batch above the largest size is not padded.
         pad_value: fill value, or one per positional argument.
+        skip_nonfinite: fp32/bf16: skip the optimizer update of a step whose
+            reduced gradients hold inf or NaN, decided on the device inside the
+            iteration (no host sync; every rank alike, gradients being
+            all-reduced) and counted in ``report()``. Uses the fused optimizer
+            kernel's ``found_inf`` input (Adam, AdamW, SGD).
 
     Returns ``(GraphedModule, optimizer)``; the optimizer is the same object,
     made capturable and routed through the engine.
@@ -157,6 +163,7 @@ def wrap(
         graph_memory_mb=graph_memory_mb, broadcast_buffers=broadcast_buffers,
         replay_timeout=replay_timeout, monitor=monitor, eager_params=eager_params,
         select=select, select_margin=select_margin, pad_batch_to=pad_batch_to, pad_value=pad_value,
+        skip_nonfinite=skip_nonfinite,
     )
     engine = Engine(model, optimizer, config, process_group)
     return GraphedModule(model, engine), optimizer

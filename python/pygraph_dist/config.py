@@ -33,6 +33,7 @@ class WrapConfig:
     select_margin: float = 0.02
     pad_batch_to: tuple[int, ...] = ()
     pad_value: Any = 0
+    skip_nonfinite: bool = False
 
 
 def make_config(**kwargs: Any) -> WrapConfig:
@@ -57,6 +58,9 @@ def make_config(**kwargs: Any) -> WrapConfig:
                          f"max_graphs={config.max_graphs}")
     if config.max_grad_norm is not None and not config.max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be positive (or None), got {config.max_grad_norm}")
+    if config.skip_nonfinite and str(config.amp).lower() in ("fp16", "float16", "half", "torch.float16"):
+        raise ValueError("skip_nonfinite=True is for fp32 and bf16: with amp='fp16' the GradScaler "
+                         "already skips steps with non-finite gradients. Drop skip_nonfinite.")
     if config.loss_fn is not None and not callable(config.loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(config.loss_fn).__name__}")
     return config

@@ -95,7 +95,8 @@ class Engine:
         devices = sorted({str(p.device) for _, p in named}) or ["cpu"]
         self.device = torch.device(devices[0])
         self.amp = parse_amp(config.amp, self.device.type)
-        self.opt_plan = prepare_optimizer(optimizer, device=self.device, amp=self.amp)
+        self.opt_plan = prepare_optimizer(optimizer, device=self.device, amp=self.amp,
+                                          skip_nonfinite=config.skip_nonfinite)
         self.graphs_reason = self._why_no_graphs(devices)
         self.graphs_possible = not self.graphs_reason and self.device.type == "cuda"
 
@@ -112,7 +113,8 @@ class Engine:
         self.step = IterationStep(
             module, optimizer, self.reducer, amp=self.amp, grad_scaler=grad_scaler,
             loss_fn=config.loss_fn, max_grad_norm=config.max_grad_norm, group=self.group,
-            broadcast_buffers=config.broadcast_buffers, device=self.device)
+            broadcast_buffers=config.broadcast_buffers, device=self.device,
+            skip_nonfinite=config.skip_nonfinite)
         self.step.sync_module_states()
         make_graph_aware(optimizer, self)
 
@@ -331,7 +333,8 @@ class Engine:
                 entry.policy.disable(self.graphs_reason)
 
     def on_optimizer_state_loaded(self, extra) -> None:
-        self.opt_plan = prepare_optimizer(self.optimizer, device=self.device, amp=self.amp)
+        self.opt_plan = prepare_optimizer(self.optimizer, device=self.device, amp=self.amp,
+                                          skip_nonfinite=self.config.skip_nonfinite)
         if extra and self.grad_scaler is not None and "grad_scaler" in extra:
             self.grad_scaler.load_state_dict(extra["grad_scaler"])
         self.opt_state_version += 1
@@ -366,6 +369,7 @@ class Engine:
             optimizer_changes=list(self.opt_plan.changes), buckets=self.reducer.describe(),
             backend=backend, eager_buckets=self.reducer.describe_eager(),
             graphs=self.cache.describe(self.reducer.kinds),
+            skipped_steps=int(self.step.skipped.item()) if self.step.skipped is not None else None,
             events=[asdict(e) for e in self.cache.events],
         )
 

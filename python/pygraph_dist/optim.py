@@ -49,7 +49,7 @@ class OptimizerPlan:
 
 
 def prepare_optimizer(
-    opt: torch.optim.Optimizer, *, device: torch.device, amp: AmpConfig
+    opt: torch.optim.Optimizer, *, device: torch.device, amp: AmpConfig, skip_nonfinite: bool = False
 ) -> OptimizerPlan:
     """Reconfigure ``opt`` for capture on ``device``; say what changed and why not if it cannot be."""
     plan = OptimizerPlan(graphable=True)
@@ -75,6 +75,17 @@ def prepare_optimizer(
             "optimizers with a `capturable` option. Training runs eagerly.",
         )
 
+    if skip_nonfinite and not amp.needs_grad_scaler:
+        if not isinstance(opt, _FUSABLE):
+            raise ValueError(
+                f"skip_nonfinite=True skips the update inside the fused optimizer kernel (its "
+                f"found_inf input, as GradScaler uses it); {name} has no fused kernel. Use Adam, "
+                "AdamW or SGD, or skip_nonfinite=False.")
+        for g in opt.param_groups:
+            if not g.get("fused"):
+                g["fused"] = True
+                g["foreach"] = None
+                _note(plan, "fused=True (non-finite steps skipped on the device)")
     if amp.needs_grad_scaler:
         if not isinstance(opt, _FUSABLE):
             return _not_graphable(

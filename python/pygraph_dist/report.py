@@ -47,6 +47,7 @@ class ModelReport:
     eager_buckets: list[str] = field(default_factory=list)  # buckets outside the graph, and why
     graphs: list[GraphReport] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
+    skipped_steps: int | None = None  # skip_nonfinite: optimizer steps skipped (inf/NaN gradients)
 
     @property
     def replays(self) -> int:
@@ -75,6 +76,8 @@ class Report:
             if not m.graphs_possible:
                 lines.append(f"  graphs unavailable: {m.graphs_reason}")
             lines.append(f"  loop: {m.loop}")
+            if m.skipped_steps is not None:
+                lines.append(f"  non-finite steps skipped (skip_nonfinite): {m.skipped_steps}")
             shown = {m.graphs_reason, m.loop.removeprefix("not graphable: ")} - {""}
             if m.eager_buckets:
                 lines.append("  gradient buckets outside the graph:")

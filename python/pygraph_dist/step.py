@@ -36,6 +36,7 @@ class IterationStep:
         group: dist.ProcessGroup,
         broadcast_buffers: bool,
         device: torch.device,
+        skip_nonfinite: bool = False,
     ) -> None:
         self.module = module
         self.optimizer = optimizer
@@ -51,6 +52,10 @@ class IterationStep:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.buffers = list(module.buffers()) if broadcast_buffers and self.world_size > 1 else []
         self.sparse_ids = {id(p) for p in reducer.sparse_params}
+        # skip_nonfinite: steps skipped because the reduced gradients held inf or
+        # NaN, counted on the device (no host sync inside the iteration).
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped = torch.zeros(1, dtype=torch.float32, device=device) if skip_nonfinite else None
         # True while the engine itself calls optimizer.step(): the graph-aware
         # optimizer then runs the real step instead of routing to the engine.
         self.delegating = False
@@ -144,18 +149,41 @@ class IterationStep:
                     with only_params(self.optimizer, lambda p: id(p) in ids):
                         self.optimizer.step()
                 return result
+            norm = None
             if self.max_grad_norm is not None:
                 if self.grad_scaler is not None:
                     self.grad_scaler.unscale_(self.optimizer)
                 grads = [p for p in self.reducer.params if p.grad is not None]
-                torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+                norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
             if self.grad_scaler is not None:
                 result = self.grad_scaler.step(self.optimizer)
                 self.grad_scaler.update()
                 return result
+            if self.skip_nonfinite:
+                return self._step_if_finite(closure, norm)
             return self._optimizer_step(closure)
         finally:
             self.delegating = False
+
+    def _step_if_finite(self, closure, norm):
+        """The optimizer step, skipped inside the fused kernel when the global
+        gradient norm is not finite. Gradients are all-reduced, so every rank
+        sees the same norm and skips alike; no host sync."""
+        if norm is None:
+            grads = [p.grad for p in self.reducer.params if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else None
+        if norm is None:
+            return self._optimizer_step(closure)
+        found_inf = (~torch.isfinite(norm)).to(torch.float32).reshape(1)
+        self.skipped.add_(found_inf)
+        if not all(g.get("fused") for g in self.optimizer.param_groups):
+            # Not graphed (CPU parameters): a host check does the same.
+            return None if bool(found_inf) else self._optimizer_step(closure)
+        self.optimizer.found_inf = found_inf  # read by fused Adam/AdamW/SGD, as GradScaler does
+        try:
+            return self._optimizer_step(closure)
+        finally:
+            del self.optimizer.found_inf
 
     def _optimizer_step(self, closure):
         return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
