@@ -47,7 +47,7 @@ def test_loop_the_graph_cannot_represent_is_detected(ranks, variant, needle):
     for r in ranks("loop_variant", args=["--variant", variant], timeout=120):
         assert r["loop"].startswith("not graphable"), r
         assert needle in r["loop"], r["loop"]
-        assert "workers.py:" in r["loop"], "the message should point at the user's line"
+        assert "common.py:" in r["loop"], "the message should point at the user's line"
         assert r["phases"] == ["eager"]
         # ...and training is exactly what the loop means (DDP running the same loop).
         assert r["max_param_diff"] < 1e-6, r
