@@ -80,7 +80,7 @@ def gpu_equivalence(amp="fp32", steps=50, dropout=0.1):
         "n_collectives": g.n_collectives,
         "changes": g_report.optimizer_changes,
         "report": str(pgd.report()),
-        "scale": float(g_opt.__dict__["_pgd_engine"].grad_scaler.get_scale()) if amp == "fp16" else None,
+        "scale": float(graphed.engine.grad_scaler.get_scale()) if amp == "fp16" else None,
     }
 
 
