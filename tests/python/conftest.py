@@ -15,7 +15,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKERS = Path(__file__).with_name("workers.py")
 RANK_MAIN = Path(__file__).with_name("rank_main.py")
 
 # Never let a test touch NVLink multicast (see the device notes); inherited by every child.
@@ -69,16 +68,14 @@ def run_ranks(
     *,
     world_size: int = 2,
     timeout: float = 120,
-    args: list[str] | None = None,
     kwargs: dict | None = None,
     env: dict | None = None,
     expect_success: bool = True,
 ) -> list[dict]:
     """Run ``case`` as ``world_size`` ranks (torchrun-style environment).
 
-    ``case`` is ``"module:function"`` (a function in a test module, run by
-    ``rank_main.py`` with ``kwargs`` as keyword arguments) or the name of a
-    case in ``workers.py`` (with ``args``).
+    ``case`` is ``"module:function"``: a function in a test module, run by
+    ``rank_main.py`` with ``kwargs`` as keyword arguments.
 
     Every rank must finish within ``timeout`` seconds or all are killed and the
     test fails with their output. Returns each rank's JSON result (or, with
@@ -86,12 +83,11 @@ def run_ranks(
     """
     port = free_port()
     out_dir = tmp_path / f"{case.replace(':', '.')}-{port}"
-    if ":" in case:
-        command = [str(RANK_MAIN), case, "--out", str(out_dir)]
-        for k, v in (kwargs or {}).items():
-            command += [f"--{k}", str(v)]
-    else:
-        command = [str(WORKERS), case, "--out", str(out_dir), *(args or [])]
+    if ":" not in case:
+        raise ValueError(f"run_ranks: case must be 'module:function', got {case!r}")
+    command = [str(RANK_MAIN), case, "--out", str(out_dir)]
+    for k, v in (kwargs or {}).items():
+        command += [f"--{k}", str(v)]
     out_dir.mkdir(parents=True)
     procs = []
     for rank in range(world_size):

@@ -2,14 +2,16 @@
 
 The case is a plain function in a test module (its body next to the test
 that asserts on its result); ``--name value`` pairs become its keyword
-arguments (ints and floats parsed as such). Its return value (JSON-able) is
-written to ``DIR/rank<r>.json``; afterwards the process group is shut down
-the way a user's script would.
+arguments (ints and floats parsed as such); a case with an ``out`` parameter
+also gets DIR (to write its result itself when it does not return). Its
+return value (JSON-able) is written to ``DIR/rank<r>.json``; afterwards the
+process group is shut down the way a user's script would.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -30,10 +32,12 @@ def main(argv: list[str]) -> None:
     if len(rest) % 2:
         raise SystemExit(f"rank_main: arguments come in --name value pairs, got {rest}")
     kwargs = {rest[i].lstrip("-").replace("-", "_"): _value(rest[i + 1]) for i in range(0, len(rest), 2)}
-    out = kwargs.pop("out")
     module_name, func_name = target.split(":")
     sys.path.insert(0, str(Path(__file__).parent))
     func = getattr(importlib.import_module(module_name), func_name)
+    out = kwargs["out"]
+    if "out" not in inspect.signature(func).parameters:
+        del kwargs["out"]
     result = func(**kwargs)
 
     import torch.distributed as dist

@@ -1,13 +1,62 @@
-"""CPU tests with 2 Gloo ranks: reducer vs DDP, eager training through wrap(), loop checks."""
+"""CPU tests with 2 Gloo ranks: reducer vs DDP, eager training through wrap(), loop checks.
+
+Each test runs the case defined just above it in every rank (``conftest.run_ranks``
+with ``"test_cpu_training:<case>"``) and asserts on what the ranks return.
+"""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pygraph_dist as pgd
+from pygraph_dist import agreement
+from pygraph_dist.reducer import GradientReducer
+
+from common import MLP, data, flat_params, max_diff, ranks_agree, train
+
+
+def reducer_vs_ddp():
+    pgd.init()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ours = MLP()
+    theirs = copy.deepcopy(ours)
+    ddp = nn.parallel.DistributedDataParallel(theirs)
+    reducer = GradientReducer(list(ours.named_parameters()), None, bucket_cap_mb=0.004)
+    diffs, local_vs_reduced = [], []
+    for step in range(3):
+        x, y = data(step, rank)
+        ours.zero_grad(set_to_none=True)
+        ours(x, y).backward()
+        ddp.zero_grad(set_to_none=True)
+        ddp(x, y).backward()
+        local = copy.deepcopy(ours)
+        local.zero_grad(set_to_none=True)
+        reducer.enabled = False
+        local(x, y).backward()
+        reducer.enabled = True
+        diffs.append(max(max_diff(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters())))
+        local_vs_reduced.append(max(max_diff(a.grad, b.grad) for a, b in zip(ours.parameters(), local.parameters())))
+    grads = torch.cat([p.grad.reshape(-1) for p in ours.parameters()])
+    return {
+        "max_diff_vs_ddp": max(diffs),
+        "local_vs_reduced": min(local_vs_reduced),
+        "buckets": len(reducer.plan.buckets),
+        "ranks_agree": ranks_agree(grads, "cpu"),
+        "grad_is_bucket_view": all(
+            p.grad.data_ptr() == v.data_ptr() for p, v in zip(reducer.params, reducer.views)
+        ),
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_reducer_matches_ddp(ranks, world):
-    for r in ranks("reducer_vs_ddp", world_size=world, timeout=180):
+    for r in ranks("test_cpu_training:reducer_vs_ddp", world_size=world, timeout=180):
         if world == 2:
             assert r["max_diff_vs_ddp"] == 0.0, r  # same arithmetic as DDP: multiply by 1/2, sum
         else:
@@ -19,9 +68,37 @@ def test_reducer_matches_ddp(ranks, world):
         assert r["grad_is_bucket_view"]
 
 
+def wrap_cpu_vs_ddp():
+    pgd.init()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = MLP()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, opt = pgd.wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-2))
+    ours = train(model, opt, 8, rank)
+    theirs = train(ref, ref_opt, 8, rank)
+    r = pgd.report().models[0]
+    return {
+        "max_param_diff": max_diff(flat_params(model.module), flat_params(ref.module)),
+        "loss_first_last": [ours[0], ours[-1]],
+        "ref_losses": theirs,
+        "losses": ours,
+        "ranks_agree": ranks_agree(flat_params(model.module), "cpu"),
+        "graphs_possible": r.graphs_possible,
+        "graphs_reason": r.graphs_reason,
+        "loop": r.loop,
+        "phases": [g.phase for g in r.graphs],
+        "report_text": str(pgd.report()),
+        "step_count": int(opt.state[next(iter(base.parameters()))]["step"]),
+        "optimizer_class": type(opt).__name__,
+        "is_adamw": isinstance(opt, torch.optim.AdamW),
+    }
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_wrap_on_cpu_trains_eagerly_like_ddp(ranks, world):
-    results = ranks("wrap_cpu_vs_ddp", world_size=world, timeout=180)
+    results = ranks("test_cpu_training:wrap_cpu_vs_ddp", world_size=world, timeout=180)
     for r in results:
         assert not r["graphs_possible"]
         assert "CPU-only" in r["graphs_reason"]
@@ -35,6 +112,27 @@ def test_wrap_on_cpu_trains_eagerly_like_ddp(ranks, world):
         assert "graphs unavailable" in r["report_text"]
 
 
+def loop_variant(variant="plain"):
+    """A loop that a graph cannot represent: the probe must say so, and training
+    must stay exactly what the loop means (compared with DDP running the same loop)."""
+    pgd.init()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = MLP()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, opt = pgd.wrap(base, torch.optim.SGD(base.parameters(), lr=0.1))
+    clip = 0.5 if variant == "clip" else None
+    train(model, opt, 5, rank, clip=clip, variant=variant)
+    train(ref, ref_opt, 5, rank, clip=clip, variant=variant)
+    r = pgd.report().models[0]
+    return {
+        "loop": r.loop,
+        "phases": [g.phase for g in r.graphs],
+        "max_param_diff": max_diff(flat_params(model.module), flat_params(ref.module)),
+    }
+
+
 @pytest.mark.parametrize("variant,needle", [
     ("clip", "max_grad_norm"),
     ("scaled", "backward() was called on a tensor other than the loss"),
@@ -44,30 +142,86 @@ def test_wrap_on_cpu_trains_eagerly_like_ddp(ranks, world):
     ("grad_edit", "modifies a parameter, gradient"),
 ])
 def test_loop_the_graph_cannot_represent_is_detected(ranks, variant, needle):
-    for r in ranks("loop_variant", args=["--variant", variant], timeout=120):
+    for r in ranks("test_cpu_training:loop_variant", kwargs={"variant": variant}, timeout=120):
         assert r["loop"].startswith("not graphable"), r
         assert needle in r["loop"], r["loop"]
-        assert "workers.py:" in r["loop"], "the message should point at the user's line"
+        assert "common.py:" in r["loop"], "the message should point at the user's line"
         assert r["phases"] == ["eager"]
         # ...and training is exactly what the loop means (DDP running the same loop).
         assert r["max_param_diff"] < 1e-6, r
 
 
 def test_plain_loop_conforms(ranks):
-    for r in ranks("loop_variant", args=["--variant", "plain"], timeout=120):
+    for r in ranks("test_cpu_training:loop_variant", kwargs={"variant": "plain"}, timeout=120):
         assert r["loop"].startswith("conforms"), r["loop"]
 
 
+def scheduler_before_wrap():
+    pgd.init()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = MLP()
+    opt = torch.optim.Adam(base.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # before wrap
+    model, opt = pgd.wrap(base, opt)
+    train(model, opt, 6, rank, scheduler=sched)
+    first = next(iter(base.parameters()))
+    return {
+        "adam_steps": int(opt.state[first]["step"]),
+        "engine_iterations": model.engine.iteration,
+        "lr": float(opt.param_groups[0]["lr"]),
+        "last_lr": float(sched.get_last_lr()[0]),
+        "sd_lr_type": type(opt.state_dict()["param_groups"][0]["lr"]).__name__,
+    }
+
+
 def test_scheduler_created_before_wrap_does_not_double_step(ranks):
-    for r in ranks("scheduler_before_wrap", timeout=120):
+    for r in ranks("test_cpu_training:scheduler_before_wrap", timeout=120):
         assert r["adam_steps"] == 6 == r["engine_iterations"]
         assert r["lr"] == pytest.approx(1e-2 * 0.5**3)
         assert r["last_lr"] == pytest.approx(1e-2 * 0.5**3)
         assert r["sd_lr_type"] == "float"
 
 
+def eval_and_errors():
+    pgd.init()
+    torch.manual_seed(0)
+    base = MLP()
+    model, opt = pgd.wrap(base, torch.optim.SGD(base.parameters(), lr=0.1))
+    x, y = data(0, dist.get_rank())
+    model.eval()
+    with torch.no_grad():
+        eval_loss = model(x, y)
+    model.train()
+    out = {"eval_loss_is_tensor": isinstance(eval_loss, torch.Tensor),
+           "iterations_after_eval": model.engine.iteration}
+    # A module that returns logits without loss_fn gets a clear error.
+    logits_model = nn.Linear(32, 5)
+    m2, o2 = pgd.wrap(logits_model, torch.optim.SGD(logits_model.parameters(), lr=0.1))
+    try:
+        m2(x)
+        out["logits_error"] = ""
+    except TypeError as exc:
+        out["logits_error"] = str(exc)
+    # loss_fn makes it work: model(*inputs, target).
+    lin = nn.Linear(32, 5)
+    m3, o3 = pgd.wrap(lin, torch.optim.SGD(lin.parameters(), lr=0.1), loss_fn=nn.functional.cross_entropy)
+    o3.zero_grad()
+    loss = m3(x, y)
+    loss.backward()
+    o3.step()
+    out["loss_fn_loss"] = float(loss)
+    # An optimizer over parameters the model does not own is refused.
+    try:
+        pgd.wrap(nn.Linear(3, 3), torch.optim.SGD(nn.Linear(3, 3).parameters(), lr=0.1))
+        out["foreign_error"] = ""
+    except ValueError as exc:
+        out["foreign_error"] = str(exc)
+    return out
+
+
 def test_eval_calls_and_clear_errors(ranks):
-    for r in ranks("eval_and_errors", timeout=120):
+    for r in ranks("test_cpu_training:eval_and_errors", timeout=120):
         assert r["eval_loss_is_tensor"]
         assert r["iterations_after_eval"] == 0
         assert "must produce the scalar loss" in r["logits_error"] and "loss_fn" in r["logits_error"]
@@ -75,8 +229,46 @@ def test_eval_calls_and_clear_errors(ranks):
         assert "not parameters of the wrapped model" in r["foreign_error"]
 
 
+def fingerprint():
+    pgd.init()
+    rank = dist.get_rank()
+    backend = pgd.graph_safe_backend(None, "cpu")
+    assert backend is not None, "init() on CPU should use the graph-safe Gloo wrapper"
+    issued0 = backend.collectives_issued
+    a = torch.ones(10)
+    b = torch.arange(5)
+    # Same collectives on both ranks; rank 1 starts recording one collective earlier.
+    if rank == 1:
+        backend.start_recording()
+    dist.all_reduce(a)
+    if rank == 0:
+        backend.start_recording()
+    dist.broadcast(b, src=0)
+    dist.all_reduce(a, op=dist.ReduceOp.MAX)
+    fp = backend.stop_recording()
+    verdict = agreement.agree(True, "", [fp.digest], group=None, device=torch.device("cpu"),
+                              details={"collectives": fp.records(), "config": ""},
+                              explain=agreement.explain_mismatch)
+    # Now the same window on both ranks: digests agree.
+    backend.start_recording()
+    dist.all_reduce(a)
+    fp2 = backend.stop_recording()
+    verdict2 = agreement.agree(True, "", [fp2.digest], group=None, device=torch.device("cpu"))
+    dist.barrier()  # outside capture, a barrier is just forwarded
+    return {
+        "backend_name": dist.get_backend(),
+        "records": fp.records(),
+        "describe": fp.describe(),
+        "mismatch_agreed": verdict.agreed,
+        "mismatch_reason": verdict.reason,
+        "match_agreed": verdict2.agreed,
+        "issued": backend.collectives_issued - issued0,
+        "captured": backend.collectives_captured,
+    }
+
+
 def test_backend_fingerprints_and_agreement(ranks):
-    results = ranks("fingerprint", timeout=60)
+    results = ranks("test_cpu_training:fingerprint", timeout=60)
     r0, r1 = results
     assert r0["backend_name"] == "pgd_gloo"
     assert [x["kind"] for x in r0["records"]] == ["broadcast", "allreduce"]
@@ -91,8 +283,17 @@ def test_backend_fingerprints_and_agreement(ranks):
     assert r0["issued"] >= 6  # every collective went through the wrapper
 
 
+def agreement_failure():
+    pgd.init()
+    rank = dist.get_rank()
+    v = agreement.agree(rank != 1, "boom on rank 1" if rank == 1 else "", [7], group=None,
+                        device=torch.device("cpu"))
+    v2 = agreement.agree(rank != 1, "transient", [], group=None, device=torch.device("cpu"), retryable=True)
+    return {"agreed": v.agreed, "reason": v.reason, "final": v.final, "retry_final": v2.final}
+
+
 def test_agreement_names_the_failing_rank(ranks):
-    for r in ranks("agreement_failure", timeout=60):
+    for r in ranks("test_cpu_training:agreement_failure", timeout=60):
         assert not r["agreed"]
         assert r["reason"] == "rank 1: boom on rank 1"
         assert r["final"] and not r["retry_final"]

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from conftest import ROOT, WORKERS, child_env, free_port, run_ranks
+import pygraph_dist as pgd
+from conftest import RANK_MAIN, ROOT, child_env, free_port, run_ranks
 from pygraph_dist.launch_env import LaunchError, detect, first_slurm_host
 
 
@@ -75,12 +79,28 @@ def test_first_slurm_host(nodelist, first):
     assert first_slurm_host(nodelist) == first
 
 
+def init_only(rendezvous_timeout=60):
+    """One rank of the launch tests: init(), then one all-reduce; a LaunchError exits 3."""
+    t0 = time.monotonic()
+    import datetime
+
+    try:
+        env = pgd.init(rendezvous_timeout=datetime.timedelta(seconds=rendezvous_timeout))
+    except pgd.LaunchError as exc:
+        print(f"LaunchError after {time.monotonic() - t0:.1f}s: {exc}", flush=True)
+        sys.exit(3)
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    return {"rank": env.rank, "world": env.world_size, "launcher": env.launcher,
+            "sum": float(t), "master_addr": os.environ.get("MASTER_ADDR")}
+
+
 def _single(tmp_path, env: dict, timeout: float = 60) -> tuple[int, str, float]:
     """One rank of a world, alone: it must fail on its own within the timeout."""
     child = child_env(PYTHONPATH=str(ROOT / "tests" / "python"), **env)
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, str(WORKERS), "init_only", "--out", str(tmp_path),
-                        "--rendezvous-timeout", "3"], env=child, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, str(RANK_MAIN), "test_launch_env:init_only", "--out",
+                        str(tmp_path), "--rendezvous-timeout", "3"], env=child, capture_output=True, text=True,
                        timeout=timeout, cwd=str(ROOT))
     return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
 
@@ -130,7 +150,8 @@ def test_mpirun_two_ranks(tmp_path):
 
     env = child_env(PYTHONPATH=str(ROOT / "tests" / "python"))
     cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2",
-           "-x", "PYTHONPATH", sys.executable, str(WORKERS), "init_only", "--out", str(tmp_path)]
+           "-x", "PYTHONPATH", sys.executable, str(RANK_MAIN), "test_launch_env:init_only",
+           "--out", str(tmp_path)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=str(ROOT))
     assert p.returncode == 0, p.stdout + p.stderr
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -140,6 +161,6 @@ def test_mpirun_two_ranks(tmp_path):
 
 
 def test_torchrun_style_two_ranks(tmp_path):
-    results = run_ranks("init_only", tmp_path, timeout=60)
+    results = run_ranks("test_launch_env:init_only", tmp_path, timeout=60)
     assert [r["sum"] for r in results] == [3.0, 3.0]
     assert {r["launcher"] for r in results} == {"env"}
