@@ -118,12 +118,15 @@ find_torch_python() {
 # pip sees them as installed (nothing is downloaded again), and what setup
 # adds goes into .venv only.
 inherit_site_packages() {  # $1: the python with torch; .venv must exist
-  local base=$1 dirs venv_site
-  dirs=$("$base" -c 'import os, site; print(repr([d for d in site.getsitepackages() if os.path.isdir(d)]))')
+  local base=$1 venv_site
   venv_site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   mkdir -p "$venv_site"
-  printf 'import site; [site.addsitedir(d) for d in %s]  # from launch/setup-env.sh: the packages of %s\n' \
-      "$dirs" "$base" > "$venv_site/pgd-base-python.pth"
+  # One line, "import site; site.addsitedir(...); ..." (site executes .pth lines that start with import).
+  "$base" - "$base" > "$venv_site/pgd-base-python.pth" <<'PYEOF'
+import os, site, sys
+dirs = [d for d in site.getsitepackages() if os.path.isdir(d)]
+print("import site; " + "; ".join(f"site.addsitedir({d!r})" for d in dirs) + f"  # launch/setup-env.sh: the packages of {sys.argv[1]}")
+PYEOF
 }
 
 make_venv() {  # $1: interpreter; ensurepip may be missing (Debian without pythonX-venv)
@@ -209,9 +212,9 @@ if ! "$PY" -c "import mpi4py" >/dev/null 2>&1; then
   if command -v mpicc >/dev/null 2>&1; then
     say "building mpi4py against $(command -v mpicc)"
     MPICC=$(command -v mpicc) pip_install --no-cache-dir --no-binary mpi4py mpi4py \
-      || warn "could not build mpi4py ($(pip_error)); MPI launches then need MASTER_ADDR/MASTER_PORT, and the mpirun tests are skipped"
+      || warn "could not build mpi4py ($(pip_error)); MPI launches across hosts then need MASTER_ADDR/MASTER_PORT, and the mpirun tests are skipped"
   else
-    warn "no mpicc: mpi4py not installed; MPI launches need MASTER_ADDR/MASTER_PORT, and the mpirun tests are skipped"
+    warn "no mpicc: mpi4py not installed; MPI launches across hosts need MASTER_ADDR/MASTER_PORT, and the mpirun tests are skipped"
   fi
 fi
 # The two-host tests also launch with MPICH: its own mpi4py, kept apart in
