@@ -2,68 +2,231 @@
 # Prepare everything pygraph_dist needs, idempotently, and build it.
 #   source launch/setup-env.sh      (sets PY to the environment's python)
 #
-# 1. Debian packages: Open MPI (mpirun, mpicc) and GoogleTest, if missing and
-#    apt-get is usable (root); otherwise a warning says what to install.
-# 2. Python: a virtual environment in .venv (PGD_VENV to move it). If a Python
-#    with torch already exists (PGD_PYTHON, or python3 on PATH), the venv sees
-#    its packages and uses that torch; otherwise torch==2.13.0 is installed
-#    (on the dev/CI machine that is the CPU wheel on local disk).
-# 3. Build tools, test tools and mpi4py (built against the launcher's MPI).
+# 1. Debian packages: Open MPI (mpirun, mpicc) and GoogleTest, if missing; with
+#    PGD_SETUP_TESTS=1 (tests/run-all.sh) also what the two-host tests use:
+#    iproute2, MPICH (mpiexec.mpich, mpicc.mpich; Open MPI stays the default
+#    mpirun/mpicc), Slurm (slurmctld, slurmd, srun) and munge. Installed with
+#    apt-get when root; without root or without network a warning lists them.
+# 2. Python: a virtual environment in .venv (PGD_VENV to move it; an existing
+#    environment given there is used as it is). If a Python with torch >= 2.11
+#    already exists -- PGD_PYTHON, the active virtual environment or conda
+#    environment, python3/python on PATH, /opt/*/.venv -- .venv is built on it
+#    and sees its packages (that torch, and whatever else is installed there);
+#    otherwise torch==2.13.0 is installed (on the dev/CI machine the CPU wheel
+#    on local disk).
+# 3. Build and test tools that are missing (none is downloaded when all are
+#    present), mpi4py built against the launcher's MPI; optional ones
+#    (matplotlib, tqdm, mpi4py) only warn when they cannot be installed.
 # 4. pygraph_dist itself: `pip install --no-build-isolation .`, so that the
 #    extension compiles against the torch in the environment.
 set -euo pipefail
 PGD_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${PGD_VENV:-$PGD_ROOT/.venv}
+TORCH_PIN=2.13.0  # installed only when no Python with torch is found
 say() { echo "[setup] $*" >&2; }
+warn() { echo "[setup] WARNING: $*" >&2; }
+die() { echo "[setup] ERROR: $*" >&2; exit 1; }
 
+# ------------------------------------------------------------ Debian packages
 need=()
 command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
 command -v mpicc >/dev/null 2>&1 || need+=(libopenmpi-dev)
 [ -f /usr/include/gtest/gtest.h ] || need+=(libgtest-dev)
-if [ ${#need[@]} -gt 0 ]; then
+extra=()  # only for the two-host tests: never pulls recommends
+if [ "${PGD_SETUP_TESTS:-0}" = 1 ]; then
+  command -v ip >/dev/null 2>&1 || extra+=(iproute2)
+  command -v mpiexec.mpich >/dev/null 2>&1 || extra+=(mpich)
+  command -v mpicc.mpich >/dev/null 2>&1 || extra+=(libmpich-dev)
+  command -v slurmctld >/dev/null 2>&1 || extra+=(slurmctld)
+  command -v slurmd >/dev/null 2>&1 || extra+=(slurmd)
+  command -v srun >/dev/null 2>&1 || extra+=(slurm-client)
+  command -v munged >/dev/null 2>&1 || extra+=(munge)
+fi
+if [ $((${#need[@]} + ${#extra[@]})) -gt 0 ]; then
+  all="${need[*]} ${extra[*]}"
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    say "installing Debian packages: ${need[*]}"
-    apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    say "installing Debian packages: $all"
+    # MPICH registers mpirun/mpicc alternatives too (at a lower priority than
+    # Open MPI's); whatever they point at now is put back afterwards.
+    alt_before=$(for a in mpirun mpi; do update-alternatives --query "$a" 2>/dev/null | sed -n "s/^Value: /$a /p"; done || true)
+    apt_opts=(-o Acquire::Retries=1 -o Acquire::http::Timeout=20 -o Acquire::https::Timeout=20)
+    apt_log=$(mktemp)
+    apt-get "${apt_opts[@]}" update -qq >"$apt_log" 2>&1 || true
+    ok=1
+    if [ ${#need[@]} -gt 0 ]; then
+      DEBIAN_FRONTEND=noninteractive apt-get "${apt_opts[@]}" install -y -qq "${need[@]}" >>"$apt_log" 2>&1 || ok=0
+    fi
+    if [ ${#extra[@]} -gt 0 ]; then
+      DEBIAN_FRONTEND=noninteractive apt-get "${apt_opts[@]}" install -y -qq --no-install-recommends \
+          "${extra[@]}" >>"$apt_log" 2>&1 || ok=0
+    fi
+    while read -r name value; do
+      [ -n "$name" ] || continue
+      now=$(update-alternatives --query "$name" 2>/dev/null | sed -n 's/^Value: //p')
+      if [ "$now" != "$value" ]; then
+        say "restoring the $name alternative to $value (was changed to $now)"
+        update-alternatives --set "$name" "$value" >/dev/null
+      fi
+    done <<<"$alt_before"
+    if [ $ok = 0 ]; then
+      warn "could not install all of: $all (no network?). apt-get said: $(grep -E '^(E|W):' "$apt_log" | tail -n 2 | tr '\n' ' ')"
+      warn "without them the parts that use them (MPI launches, the C++ GoogleTest suite, the two-host tests) are skipped or fail with a message naming them"
+    fi
+    rm -f "$apt_log"
   else
-    say "warning: missing Debian packages ${need[*]}; install them (apt-get install ${need[*]}) for the MPI and GoogleTest parts"
+    warn "missing Debian packages: $all; install them (apt-get install $all) for the MPI, GoogleTest and two-host parts"
   fi
 fi
 
-if [ ! -x "$VENV/bin/python" ]; then
-  base=${PGD_PYTHON:-}
-  if [ -z "$base" ]; then
-    for cand in python3 python; do
-      if command -v "$cand" >/dev/null 2>&1 && "$cand" -c "import torch" >/dev/null 2>&1; then
-        base=$(command -v "$cand"); break
-      fi
-    done
-  fi
-  if [ -n "$base" ]; then
-    say "creating $VENV on top of $base ($("$base" -c 'import torch; print("torch", torch.__version__)'))"
-    "$base" -m venv --system-site-packages "$VENV"
-  else
-    say "creating $VENV (no Python with torch found; torch==2.13.0 will be installed)"
-    python3 -m venv "$VENV"
+# ------------------------------------------------------------ Python
+torch_ok() {  # $1 imports torch >= 2.11
+  "$1" -c 'import sys, torch; v = torch.__version__.split("+")[0].split("."); sys.exit(0 if (int(v[0]), int(v[1])) >= (2, 11) else 1)' >/dev/null 2>&1
+}
+py_version() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])'; }
+
+# The first Python with torch >= 2.11: PGD_PYTHON, the active virtual or conda
+# environment, python3/python on PATH, then virtual environments under /opt
+# (where a GPU machine's image keeps its torch). Never our own .venv.
+find_torch_python() {
+  local cand real
+  local cands=()
+  [ -n "${VIRTUAL_ENV:-}" ] && cands+=("$VIRTUAL_ENV/bin/python")
+  [ -n "${CONDA_PREFIX:-}" ] && cands+=("$CONDA_PREFIX/bin/python")
+  for cand in python3 python; do
+    command -v "$cand" >/dev/null 2>&1 && cands+=("$(command -v "$cand")")
+  done
+  for cand in /opt/*/.venv/bin/python /opt/*/venv/bin/python /opt/conda/bin/python; do
+    [ -x "$cand" ] && cands+=("$cand")
+  done
+  for cand in "${cands[@]}"; do
+    case "$cand" in "$VENV"/*) continue ;; esac
+    [ -x "$cand" ] || continue
+    if torch_ok "$cand"; then echo "$cand"; return 0; fi
+  done
+  return 1
+}
+
+# Why a .pth file and not --system-site-packages, nor installing into that
+# Python: a venv made from a venv's python inherits the *base interpreter*
+# (sys._base_executable), so --system-site-packages sees the base's packages,
+# not the venv's -- the torch in /opt/torch/.venv stayed invisible and setup
+# went to download torch==2.13.0. Installing into the Python that has torch
+# would change an environment that may be shared or read-only (/opt, conda).
+# So .venv is made from the same interpreter, and a .pth file adds that
+# Python's site-packages directories *after* .venv's own (site.addsitedir, so
+# their own .pth files work too): its torch and tools are used as they are,
+# pip sees them as installed (nothing is downloaded again), and what setup
+# adds goes into .venv only.
+inherit_site_packages() {  # $1: the python with torch; .venv must exist
+  local base=$1 venv_site
+  venv_site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  mkdir -p "$venv_site"
+  # One line, "import site; site.addsitedir(...); ..." (site executes .pth lines that start with import).
+  "$base" - "$base" > "$venv_site/pgd-base-python.pth" <<'PYEOF'
+import os, site, sys
+dirs = [d for d in site.getsitepackages() if os.path.isdir(d)]
+print("import site; " + "; ".join(f"site.addsitedir({d!r})" for d in dirs) + f"  # launch/setup-env.sh: the packages of {sys.argv[1]}")
+PYEOF
+}
+
+make_venv() {  # $1: interpreter; ensurepip may be missing (Debian without pythonX-venv)
+  "$1" -m venv "$VENV" >/dev/null 2>&1 && return 0
+  rm -rf "$VENV"
+  "$1" -m venv --without-pip "$VENV" || die "cannot create a virtual environment with $1 (install python$(py_version "$1")-venv, or set PGD_VENV to an existing environment)"
+  say "created $VENV without pip (no ensurepip in $1); pip must come from the base environment"
+}
+
+base="" base_torch=0
+if [ -n "${PGD_PYTHON:-}" ]; then
+  base=$(command -v "$PGD_PYTHON" 2>/dev/null) || die "PGD_PYTHON=$PGD_PYTHON is not an executable"
+  if torch_ok "$base"; then base_torch=1; else say "PGD_PYTHON=$base has no torch >= 2.11"; fi
+fi
+if [ -x "$VENV/bin/python" ] && torch_ok "$VENV/bin/python"; then
+  :  # ready (or an environment that already has torch, given as PGD_VENV)
+else
+  if [ -z "$base" ]; then base=$(find_torch_python || true); [ -z "$base" ] || base_torch=1; fi
+  if [ $base_torch = 1 ]; then
+    info=$("$base" -c 'import torch; print("torch", torch.__version__)')
+    if [ -x "$VENV/bin/python" ]; then
+      # A .venv from an earlier setup that cannot see that torch (e.g. made
+      # with --system-site-packages on top of another venv): repair it.
+      [ "$(py_version "$VENV/bin/python")" = "$(py_version "$base")" ] || die \
+        "$VENV is Python $(py_version "$VENV/bin/python") without torch, and the Python with torch ($base) is $(py_version "$base"): remove $VENV and run again"
+      say "letting $VENV see the packages of $base ($info)"
+    else
+      say "creating $VENV on top of $base ($info)"
+      make_venv "$base"
+    fi
+    inherit_site_packages "$base"
+    torch_ok "$VENV/bin/python" || die "$VENV still cannot import torch from $base"
+  elif [ ! -x "$VENV/bin/python" ]; then
+    interp=${base:-$(command -v python3 || true)}
+    [ -n "$interp" ] || die "no python3 on PATH"
+    say "creating $VENV with $interp (no Python with torch >= 2.11 found; torch==$TORCH_PIN will be installed)"
+    make_venv "$interp"
   fi
 fi
 PY="$VENV/bin/python"
 export PY PGD_ROOT
+"$PY" -m pip --version >/dev/null 2>&1 || die "$PY has no pip (neither its own nor its base environment's): install pip there"
 
-pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
-"$PY" -c "import torch" >/dev/null 2>&1 || { say "installing torch==2.13.0"; pip_install torch==2.13.0; }
-missing=$("$PY" - <<'PYEOF'
-import importlib.util
-mods = {"scikit_build_core": "scikit-build-core", "cmake": "cmake", "ninja": "ninja", "numpy": "numpy",
-        "pytest": "pytest", "pytest_timeout": "pytest-timeout", "matplotlib": "matplotlib", "tqdm": "tqdm"}
-print(" ".join(pkg for mod, pkg in mods.items() if importlib.util.find_spec(mod) is None))
-PYEOF
-)
-[ -z "$missing" ] || { say "installing $missing"; pip_install $missing; }
-if ! "$PY" -c "import mpi4py" >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1; then
-  say "building mpi4py against $(command -v mpicc)"
-  MPICC=$(command -v mpicc) pip_install --no-binary mpi4py mpi4py
+pip_log=$(mktemp)
+pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" >"$pip_log" 2>&1; }
+pip_error() { grep -iE "error" "$pip_log" | tail -n 2 | tr '\n' ' '; }
+if ! torch_ok "$PY"; then
+  say "installing torch==$TORCH_PIN"
+  pip_install "torch==$TORCH_PIN" || die "could not install torch==$TORCH_PIN: $(pip_error). Install torch >= 2.11 into a Python and run again with PGD_PYTHON=<that python>"
 fi
+
+# module:package lists of what is missing.
+missing() {
+  "$PY" - "$@" <<'PYEOF'
+import importlib.util, shutil, sys
+out = []
+for spec in sys.argv[1:]:
+    mod, pkg, exe = (spec.split(":") + [""])[:3]
+    if importlib.util.find_spec(mod) is None and not (exe and shutil.which(exe)):
+        out.append(pkg)
+print(" ".join(out))
+PYEOF
+}
+# cmake and ninja may also come from PATH (scikit-build-core uses those).
+required="scikit_build_core:scikit-build-core cmake:cmake:cmake ninja:ninja:ninja"
+[ "${PGD_SETUP_TESTS:-0}" = 1 ] && required="$required pytest:pytest pytest_timeout:pytest-timeout"
+need_py=$(missing $required)
+if [ -n "$need_py" ]; then
+  say "installing $need_py"
+  # shellcheck disable=SC2086
+  pip_install $need_py || die "could not install $need_py, which the build/tests need: $(pip_error)"
+fi
+need_opt=$(missing numpy:numpy matplotlib:matplotlib tqdm:tqdm)
+if [ -n "$need_opt" ]; then
+  say "installing $need_opt"
+  # shellcheck disable=SC2086
+  pip_install $need_opt || warn "could not install the optional $need_opt ($(pip_error)); the benchmark plots and its smoke test are skipped"
+fi
+
+# mpi4py compiled against the MPI whose launcher starts the ranks (pip's wheel
+# cache is bypassed: it would hand back a build against another MPI).
+if ! "$PY" -c "import mpi4py" >/dev/null 2>&1; then
+  if command -v mpicc >/dev/null 2>&1; then
+    say "building mpi4py against $(command -v mpicc)"
+    MPICC=$(command -v mpicc) pip_install --no-cache-dir --no-binary mpi4py mpi4py \
+      || warn "could not build mpi4py ($(pip_error)); MPI launches across hosts then need MASTER_ADDR/MASTER_PORT, and the mpirun tests are skipped"
+  else
+    warn "no mpicc: mpi4py not installed; MPI launches across hosts need MASTER_ADDR/MASTER_PORT, and the mpirun tests are skipped"
+  fi
+fi
+# The two-host tests also launch with MPICH: its own mpi4py, kept apart in
+# $VENV/mpich-mpi4py and put first on PYTHONPATH for MPICH's ranks only.
+if [ "${PGD_SETUP_TESTS:-0}" = 1 ] && command -v mpicc.mpich >/dev/null 2>&1 \
+    && [ ! -d "$VENV/mpich-mpi4py/mpi4py" ]; then
+  say "building mpi4py against $(command -v mpicc.mpich) into $VENV/mpich-mpi4py"
+  MPICC=$(command -v mpicc.mpich) pip_install --no-cache-dir --no-binary mpi4py --no-deps \
+      --target "$VENV/mpich-mpi4py" mpi4py \
+    || { rm -rf "$VENV/mpich-mpi4py"; warn "could not build mpi4py for MPICH ($(pip_error)); the MPICH two-host test is skipped"; }
+fi
+rm -f "$pip_log"
 
 say "building pygraph_dist against $("$PY" -c 'import torch; print("torch", torch.__version__)')"
 ( cd "$PGD_ROOT" && "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps . )
