@@ -1,0 +1,156 @@
+// What a replay watchdog waits for, and when it has waited too long.
+//
+// Collectives captured into a CUDA graph have no timeout of their own:
+// ProcessGroupNCCL does not hand them to its watchdog ("Note [cuda graph
+// capture and workEnqueue]" in ProcessGroupNCCL.cpp). The native watchdog
+// (csrc/replay_watchdog.h) records a CUDA event after replays, a poller thread
+// reports the events that completed, and a judge thread asks check(). This
+// file is that bookkeeping without threads, CUDA or clocks: every time is a
+// number of seconds on one monotonic clock, passed in, so the rules are
+// unit-tested (tests/cpp/test_pending_replays.cpp).
+//
+// The rules:
+//   * The GPU must make progress. The oldest pending replay times out when
+//     `timeout_s` has passed since the later of its arming and the last
+//     completion seen. Counting from the last completion, not from arming,
+//     keeps a deep launch queue (the host far ahead of a slow but working
+//     GPU) from reading as a hang.
+//   * A launch (cudaGraphLaunch, or recording the event) that has not
+//     returned within `timeout_s` times out too: launches block once the
+//     device's launch queue is full, i.e. when the GPU has stopped consuming
+//     it, and a blocked host arms nothing new.
+//   * Events complete in stream order, so the poller only ever asks about the
+//     oldest pending replay (complete_oldest).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace pgd::core {
+
+struct PendingReplay {
+  uint64_t seq = 0;         // 1, 2, ... in arming order (0: a launch, not yet armed)
+  std::string label;        // what was replayed, as the engine names it (signature, iteration)
+  std::string collectives;  // the graph's collectives, as captured
+  double armed_at = 0.0;    // when the event was recorded (or the launch began)
+};
+
+enum class WaitKind : uint8_t {
+  kNone,         // nothing has waited too long
+  kReplay,       // a replay's event has not completed
+  kLaunch,       // a launch call has not returned
+};
+
+struct ReplayVerdict {
+  WaitKind kind = WaitKind::kNone;
+  double waited_s = 0.0;    // since the GPU's last progress (kReplay) or the launch began (kLaunch)
+  PendingReplay replay;     // what was waited for
+  size_t pending = 0;       // replays armed and not yet seen complete
+  uint64_t armed = 0;       // replays armed so far
+  uint64_t completed = 0;   // replays seen complete so far
+  bool timed_out() const { return kind != WaitKind::kNone; }
+};
+
+class PendingReplays {
+ public:
+  // `timeout_s` > 0.
+  explicit PendingReplays(double timeout_s);
+
+  double timeout_s() const { return timeout_s_; }
+
+  // The host is about to launch / has launched a replay. At most one launch
+  // is in flight (launches come from the one thread that replays).
+  void launch_started(std::string label, std::string collectives, double now);
+  void launch_finished(double now);
+
+  // An event was recorded after a replay; returns its sequence number.
+  uint64_t arm(std::string label, std::string collectives, double now);
+
+  // The oldest pending replay (the one the poller should query), if any.
+  std::optional<PendingReplay> oldest() const;
+  // The poller saw the oldest pending replay's event complete. `seq` guards
+  // against a clear() between the query and this call: a stale seq is ignored.
+  void complete_oldest(uint64_t seq, double now);
+
+  // Whether something has waited longer than the timeout, and what.
+  ReplayVerdict check(double now) const;
+
+  // Forget everything pending (the engine released its graphs, or closed).
+  void clear(double now);
+
+  size_t pending() const { return pending_.size(); }
+  uint64_t armed() const { return armed_; }
+  uint64_t completed() const { return completed_; }
+  bool launching() const { return launch_.has_value(); }
+
+ private:
+  double timeout_s_;
+  std::deque<PendingReplay> pending_;
+  std::optional<PendingReplay> launch_;
+  double last_progress_ = 0.0;  // last completion seen (or clear); deadlines count from here
+  bool any_progress_ = false;
+  uint64_t armed_ = 0;
+  uint64_t completed_ = 0;
+};
+
+// ---- heartbeats ---------------------------------------------------------
+// Each rank's watchdog writes "<wall ms> <armed> <completed>" under its key
+// every few seconds; on a timeout the survivor says which ranks were last
+// seen alive and how far each got. Wall-clock time (not monotonic) because
+// ranks on different hosts compare it; skew of a second does not matter
+// against staleness thresholds of several heartbeat periods.
+struct Heartbeat {
+  double wall_s = 0.0;
+  uint64_t armed = 0;
+  uint64_t completed = 0;
+};
+
+std::string encode_heartbeat(const Heartbeat& hb);
+std::optional<Heartbeat> decode_heartbeat(const std::string& text);
+
+class RankLiveness {
+ public:
+  // `stale_after_s`: a heartbeat older than this marks its rank as not alive.
+  RankLiveness(int world_size, int self_rank, double stale_after_s);
+
+  // What a read of the store found for `rank` at wall time `read_at`: a
+  // heartbeat, or nothing (key absent or unparsable).
+  void observe(int rank, const std::optional<Heartbeat>& hb, double read_at);
+  // A read of the store failed or did not answer; `why` says how.
+  void store_unreachable(const std::string& why, double wall_now);
+  void store_reachable();
+
+  // Ranks (other than self) whose last heartbeat is older than stale_after_s,
+  // or that were never seen.
+  std::vector<int> stale(double wall_now) const;
+  // One line per other rank (at most `max_ranks`, stale ones first), e.g.
+  // "rank 1: last heartbeat 14.2 s ago (NOT ALIVE), had armed 199 replays, 199 completed".
+  std::string describe(double wall_now, size_t max_ranks = 16) const;
+  bool any_read() const { return any_read_; }
+
+ private:
+  struct Seen {
+    std::optional<Heartbeat> last;
+  };
+  int world_size_;
+  int self_;
+  double stale_after_s_;
+  std::vector<Seen> seen_;
+  bool any_read_ = false;
+  std::string store_error_;
+  double store_error_since_ = 0.0;
+};
+
+// The report printed when the watchdog fires: what it waited for, for how
+// long, the graph's collectives, the other ranks' liveness (if known), and
+// what happens next. `context` names the process ("rank 0 of 2").
+std::string describe_timeout(const ReplayVerdict& verdict,
+                             double timeout_s,
+                             const std::string& context,
+                             const std::string& liveness,
+                             int exit_code);
+
+}  // namespace pgd::core
