@@ -174,7 +174,8 @@ class IterationStep:
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else None
         if norm is None:
             return self._optimizer_step(closure)
-        found_inf = (~torch.isfinite(norm)).to(torch.float32).reshape(1)
+        # A 0-dim tensor, like GradScaler's: fused Adam subtracts it from each 0-dim step count.
+        found_inf = (~torch.isfinite(norm)).to(torch.float32).reshape(())
         self.skipped.add_(found_inf)
         if not all(g.get("fused") for g in self.optimizer.param_groups):
             # Not graphed (CPU parameters): a host check does the same.

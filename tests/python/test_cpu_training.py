@@ -195,14 +195,17 @@ def eval_and_errors():
     model.train()
     out = {"eval_loss_is_tensor": isinstance(eval_loss, torch.Tensor),
            "iterations_after_eval": model.engine.iteration}
-    # A module that returns logits without loss_fn gets a clear error.
+    # A module that returns logits (loss computed outside, as with DDP): the call
+    # returns the logits, the loop trains (eagerly), and the report says why.
     logits_model = nn.Linear(32, 5)
     m2, o2 = pgd.wrap(logits_model, torch.optim.SGD(logits_model.parameters(), lr=0.1))
-    try:
-        m2(x)
-        out["logits_error"] = ""
-    except TypeError as exc:
-        out["logits_error"] = str(exc)
+    for _ in range(3):
+        o2.zero_grad()
+        logits = m2(x)
+        nn.functional.cross_entropy(logits, y).backward()
+        o2.step()
+    out["logits_shape"] = list(logits.shape)
+    out["logits_loop"] = pgd.report().models[-1].loop
     # loss_fn makes it work: model(*inputs, target).
     lin = nn.Linear(32, 5)
     m3, o3 = pgd.wrap(lin, torch.optim.SGD(lin.parameters(), lr=0.1), loss_fn=nn.functional.cross_entropy)
@@ -224,7 +227,9 @@ def test_eval_calls_and_clear_errors(ranks):
     for r in ranks("test_cpu_training:eval_and_errors", timeout=120):
         assert r["eval_loss_is_tensor"]
         assert r["iterations_after_eval"] == 0
-        assert "must produce the scalar loss" in r["logits_error"] and "loss_fn" in r["logits_error"]
+        # Issue 12: the call returns what the module returns (it raised TypeError before).
+        assert r["logits_shape"] == [16, 5]
+        assert "loss is computed outside the model" in r["logits_loop"] and "loss_fn" in r["logits_loop"]
         assert r["loss_fn_loss"] > 0
         assert "not parameters of the wrapped model" in r["foreign_error"]
 
