@@ -84,7 +84,8 @@ Usage:
   python benchmarks/bench_scaling.py --world-sizes 1,2 --workloads mlp,gpt2 --modes ddp,pgd --loops inside,outside
   python benchmarks/bench_scaling.py --smoke                 # CPU/Gloo smoke test of the harness (tiny, 3 its)
 Writes benchmarks/results/<name>.json (every sample, the floor and the
-environment), prints a table, and draws PNG plots next to the JSON.
+environment), prints the table (also to <name>.txt), and draws PNG plots next
+to the JSON.
 See benchmarks/README.md for every flag.
 """
 
@@ -1177,6 +1178,7 @@ def main(argv=None) -> int:
                    help="seconds one row may run (3x for compile modes) before its ranks are stopped, "
                    "the row recorded as an error, and the rest run in a fresh torchrun")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="print the rows per world size and exit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--part", default="", help=argparse.SUPPRESS)
     p.add_argument("--plan", default="", help=argparse.SUPPRESS)
@@ -1203,6 +1205,13 @@ def main(argv=None) -> int:
     plan = build_plan(args, gpus)
     if not plan:
         raise SystemExit("the selection leaves no rows")
+    if args.dry_run:
+        for n, rows in plan.items():
+            print(f"N={n}: {len(rows)} rows, {sum(len(r['conditions']) for r in rows)} cells, "
+                  f"{args.iters} timed iterations per cell")
+            for r in rows:
+                print(f"  {row_id(r):<32} {','.join(r['conditions'])}")
+        return 0
     if gpus and max(plan) > gpus:
         raise SystemExit(f"world size {max(plan)} needs {max(plan)} GPUs, {gpus} visible")
     out_dir = Path(args.out_dir)
@@ -1239,7 +1248,9 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
             raise interrupted
     result, path = _write_result(args, out_dir, name, env, codes, cells, floors, plan, t0, complete=True)
-    print(table(cells, env, [f for f in floors if f.get("device")]))
+    text = table(cells, env, [f for f in floors if f.get("device")])
+    path.with_suffix(".txt").write_text(text + "\n")
+    print(text)
     print(f"[bench] {len(cells)} cells ({summary_line(cells)}) in {result['wall_s']:.0f} s -> {path}",
           file=sys.stderr)
     if not args.no_plots:

@@ -36,7 +36,9 @@ def main(out: str, inputs: list[str]) -> None:
     derive(cells)
     result = {"environment": env, "sources": sources, "floor": list(floors.values()), "cells": cells}
     Path(out).write_text(json.dumps(result, indent=1))
-    print(table(cells, env, list(floors.values())))
+    text = table(cells, env, list(floors.values()))
+    Path(out).with_suffix(".txt").write_text(text + "\n")
+    print(text)
     for png in plot_all(result, Path(out).with_suffix("")):
         print(png, file=sys.stderr)
 
