@@ -1,6 +1,16 @@
 """PNG plots from a bench_scaling.py results JSON.
 
     python benchmarks/plots.py benchmarks/results/<name>.json
+
+  <stem>-efficiency.png  weak-scaling efficiency T(1)/T(N) per mode (inside loop)
+  <stem>-speedup.png     speedup over eager DDP per mode (inside loop)
+  <stem>-floor.png       ms/it / floor per mode (inside loop; log scale; 1 = the floor)
+  <stem>-loops.png       ms/it per loop and mode, per workload
+  <stem>-noisy.png       p50 and p99 ms/it at baseline and under noisy neighbours, per mode
+  <stem>-cdf.png         iteration-time CDF with and without host jitter (ddp vs pgd)
+
+All at the largest world size of the results; a plot whose cells are missing is
+not drawn. Cells written before loops existed count as the inside loop.
 """
 
 from __future__ import annotations
@@ -9,13 +19,20 @@ import json
 import sys
 from pathlib import Path
 
-MODE_COLORS = {"ddp": "#7f7f7f", "ddp_graph": "#1f77b4", "compile": "#ff7f0e", "pgd": "#2ca02c"}
-MODE_LABELS = {"ddp": "eager DDP", "ddp_graph": "hand-written graph + DDP",
-               "compile": "torch.compile reduce-overhead", "pgd": "pygraph_dist"}
+MODE_COLORS = {"ddp": "#7f7f7f", "ddp_bf16": "#c7c7c7", "ddp_graph": "#1f77b4", "compile": "#ff7f0e",
+               "pgd": "#2ca02c", "pgd_bf16": "#98df8a", "pgd_compile": "#17becf"}
+MODE_LABELS = {"ddp": "eager DDP", "ddp_bf16": "eager DDP, bf16 all-reduce", "ddp_graph": "hand-written graph + DDP",
+               "compile": "torch.compile reduce-overhead", "pgd": "pygraph_dist",
+               "pgd_bf16": "pygraph_dist, bf16 all-reduce", "pgd_compile": "pygraph_dist + torch.compile"}
+LOOPS = ["inside", "outside", "accum4", "clip"]
+
+
+def _get(c: dict, k: str):
+    return c.get(k, "inside") if k == "loop" else c.get(k)
 
 
 def _ok(cells, **match):
-    return [c for c in cells if c["status"] == "ok" and all(c.get(k) == v for k, v in match.items())]
+    return [c for c in cells if c["status"] == "ok" and all(_get(c, k) == v for k, v in match.items())]
 
 
 def plot_all(result: dict, stem: Path) -> list[Path]:
@@ -34,32 +51,104 @@ def plot_all(result: dict, stem: Path) -> list[Path]:
     subtitle = f"{env.get('gpu', 'CPU')}, torch {env.get('torch')}, NCCL {env.get('nccl', '-')}"
     out: list[Path] = []
 
-    def bars(key: str, ylabel: str, title: str, suffix: str, ref_line: float | None):
-        fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(workloads), 4))
-        width = 0.8 / max(1, len(modes))
-        for i, m in enumerate(modes):
-            ys = []
-            for w in workloads:
-                hit = _ok(cells, workload=w, mode=m, world_size=n_max, condition=cond)
-                ys.append(hit[0].get(key, float("nan")) if hit else float("nan"))
-            xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(workloads))]
-            ax.bar(xs, ys, width, label=MODE_LABELS[m], color=MODE_COLORS[m])
-        if ref_line is not None:
-            ax.axhline(ref_line, color="black", lw=0.8, ls="--")
-        ax.set_xticks(range(len(workloads)), workloads)
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"{title} (N={n_max}, {cond})\n{subtitle}", fontsize=9)
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(modes), frameon=False)
+    def save(fig, suffix: str) -> None:
         fig.tight_layout()
         path = Path(f"{stem}-{suffix}.png")
         fig.savefig(path, dpi=120)
         plt.close(fig)
         out.append(path)
 
+    def bars(key: str, ylabel: str, title: str, suffix: str, ref_line: float | None, log: bool = False):
+        shown = [m for m in modes
+                 if any(key in c for c in _ok(cells, mode=m, world_size=n_max, condition=cond, loop="inside"))]
+        if not shown:
+            return
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.8 + 1.6 * len(workloads)), 4))
+        width = 0.8 / len(shown)
+        for i, m in enumerate(shown):
+            ys = []
+            for w in workloads:
+                hit = _ok(cells, workload=w, mode=m, world_size=n_max, condition=cond, loop="inside")
+                ys.append(hit[0].get(key, float("nan")) if hit else float("nan"))
+            xs = [j + (i - (len(shown) - 1) / 2) * width for j in range(len(workloads))]
+            ax.bar(xs, ys, width, label=MODE_LABELS[m], color=MODE_COLORS[m])
+            if log:  # ratios: the value on each bar
+                for x, y in zip(xs, ys):
+                    if y == y:
+                        ax.text(x, y, f"{y:.2g}", ha="center", va="bottom", fontsize=6)
+        if ref_line is not None:
+            ax.axhline(ref_line, color="black", lw=0.8, ls="--")
+        if log:
+            ax.set_yscale("log")
+        ax.set_xticks(range(len(workloads)), workloads)
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title} (N={n_max}, {cond}, inside loop)\n{subtitle}", fontsize=9)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=min(4, len(shown)), frameon=False)
+        save(fig, suffix)
+
     if n_max > 1 and 1 in sizes:
         bars("scaling_efficiency", "weak-scaling efficiency T(1)/T(N)", "Scaling efficiency 1 -> N GPUs",
              "efficiency", 1.0)
     bars("speedup_vs_ddp", "speedup vs eager DDP", "Iteration speed relative to eager DDP", "speedup", 1.0)
+    bars("ratio_to_floor", "ms/it / floor (1 = the floor)",
+         "Distance to the floor max(compute, comm) + optimizer", "floor", 1.0, log=True)
+
+    # Loops: ms/it per loop and mode, one panel per workload that ran more than one loop.
+    loop_wl = [w for w in workloads
+               if len({_get(c, "loop") for c in _ok(cells, workload=w, world_size=n_max, condition=cond)}) > 1]
+    if loop_wl:
+        fig, axes = plt.subplots(1, len(loop_wl), figsize=(max(6.0, 4.2 * len(loop_wl)), 3.8), squeeze=False)
+        for ax, w in zip(axes[0], loop_wl):
+            here = _ok(cells, workload=w, world_size=n_max, condition=cond)
+            loops = [lp for lp in LOOPS if any(_get(c, "loop") == lp for c in here)]
+            ms = [m for m in modes if any(c["mode"] == m for c in here)]
+            width = 0.8 / len(ms)
+            for i, m in enumerate(ms):
+                ys = []
+                for lp in loops:
+                    hit = [c for c in here if c["mode"] == m and _get(c, "loop") == lp]
+                    ys.append(hit[0]["ms_per_it"] if hit else float("nan"))
+                xs = [j + (i - (len(ms) - 1) / 2) * width for j in range(len(loops))]
+                ax.bar(xs, ys, width, label=MODE_LABELS[m], color=MODE_COLORS[m])
+            for j, lp in enumerate(loops):  # rows that did not run: say why in one word
+                for i, m in enumerate(ms):
+                    bad = [c for c in cells if c["workload"] == w and c["mode"] == m and _get(c, "loop") == lp
+                           and c["world_size"] == n_max and c["condition"] == cond and c["status"] != "ok"]
+                    if bad:
+                        ax.text(j + (i - (len(ms) - 1) / 2) * width, 0, bad[0]["status"], rotation=90,
+                                ha="center", va="bottom", fontsize=6)
+            ax.set_xticks(range(len(loops)), loops)
+            ax.set_ylabel("ms/it")
+            ax.set_title(w, fontsize=9)
+        axes[0][-1].legend(fontsize=6)
+        fig.suptitle(f"Training loops as users write them (N={n_max}, {cond})\n{subtitle}", fontsize=9)
+        save(fig, "loops")
+
+    # Noisy neighbours: p50 (bars) and p99 (markers), baseline vs noisy, per mode.
+    noisy_wl = [w for w in workloads if _ok(cells, workload=w, condition="noisy", world_size=n_max)]
+    if noisy_wl:
+        fig, axes = plt.subplots(1, len(noisy_wl), figsize=(max(6.0, 4.2 * len(noisy_wl)), 3.8), squeeze=False)
+        for ax, w in zip(axes[0], noisy_wl):
+            ms = [m for m in modes if _ok(cells, workload=w, mode=m, condition="noisy", world_size=n_max)]
+            for j, m in enumerate(ms):
+                for k, (c_name, hatch) in enumerate((("baseline", ""), ("noisy", "//"))):
+                    hit = _ok(cells, workload=w, mode=m, condition=c_name, world_size=n_max, loop="inside")
+                    if not hit:
+                        continue
+                    x = j + (k - 0.5) * 0.38
+                    ax.bar(x, hit[0]["p50_ms"], 0.36, color=MODE_COLORS[m], hatch=hatch, edgecolor="black",
+                           lw=0.5, label=f"p50, {c_name}" if j == 0 else None)
+                    ax.plot([x], [hit[0]["p99_ms"]], "v", color="black", ms=5,
+                            label="p99" if j == 0 and k == 0 else None)
+            ax.set_xticks(range(len(ms)), [MODE_LABELS[m] for m in ms], fontsize=7, rotation=15)
+            ax.set_ylabel("iteration time, max over ranks (ms)")
+            ax.set_title(w, fontsize=9)
+            ax.grid(axis="y", alpha=0.3)
+        axes[0][0].legend(fontsize=6)
+        noisy = _ok(cells, condition="noisy")[0]
+        fig.suptitle(f"Noisy neighbours: ranks pinned to {len(noisy.get('noisy_cpus', []))} cores shared with "
+                     f"{noisy.get('noisy_procs', '?')} busy loops, N={n_max}\n{subtitle}", fontsize=9)
+        save(fig, "noisy")
 
     cdf_modes = [m for m in ("ddp", "pgd") if m in modes]
     cdf_workloads = [w for w in workloads if _ok(cells, workload=w, condition="jitter", world_size=n_max)]
@@ -70,7 +159,7 @@ def plot_all(result: dict, stem: Path) -> list[Path]:
         for ax, w in zip(axes[0], cdf_workloads):
             for m in cdf_modes:
                 for c_name, style in (("sync10", "-"), ("jitter", "--")):
-                    hit = _ok(cells, workload=w, mode=m, world_size=n_max, condition=c_name)
+                    hit = _ok(cells, workload=w, mode=m, world_size=n_max, condition=c_name, loop="inside")
                     if not hit:
                         continue
                     xs = sorted(hit[0]["iteration_max_ms"])
@@ -85,13 +174,9 @@ def plot_all(result: dict, stem: Path) -> list[Path]:
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel("CDF")
         axes[0][-1].legend(fontsize=6, loc="lower right")
-        fig.suptitle(f"Iteration-time CDF with and without host jitter (p=0.05, 5 ms), N={n_max} — {subtitle}",
+        fig.suptitle(f"Iteration-time CDF with and without host jitter (p=0.05, 5 ms), N={n_max}\n{subtitle}",
                      fontsize=9)
-        fig.tight_layout()
-        path = Path(f"{stem}-cdf.png")
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        out.append(path)
+        save(fig, "cdf")
     return out
 
 
