@@ -38,6 +38,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, child_env, free_port
+from pygraph_dist.launch_env import first_slurm_host
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
 WORLD, PER_HOST = 4, 2
@@ -192,10 +193,12 @@ def _kill_namespace(ns: str) -> None:
 
 # ----------------------------------------------------------------- running jobs
 def _env(**extra: str) -> dict:
+    """The ranks' environment: Gloo on CPU even where GPUs are (4 ranks per host
+    in the reference would need 4 GPUs; launching is what is tested here)."""
     pythonpath = [str(ROOT / "tests" / "python")]
     if os.environ.get("PYTHONPATH"):
         pythonpath.append(os.environ["PYTHONPATH"])
-    return child_env(PYTHONPATH=os.pathsep.join(pythonpath), **extra)
+    return child_env(PYTHONPATH=os.pathsep.join(pythonpath), CUDA_VISIBLE_DEVICES="", **extra)
 
 
 def _worker(out: Path) -> list[str]:
@@ -333,7 +336,7 @@ def test_openmpi_two_hosts(hosts, reference, tmp_path):
            "--map-by", "slot", "--bind-to", "none",
            "--mca", "plm_rsh_agent", str(hosts.agent),
            "--mca", "oob_tcp_if_include", hosts.subnet, "--mca", "btl_tcp_if_include", hosts.subnet,
-           "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", "-x", "PYTHONUNBUFFERED",
+           "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", "-x", "PYTHONUNBUFFERED", "-x", "CUDA_VISIBLE_DEVICES",
            *_worker(tmp_path)]
     results = _launch([("mpirun", hosts.a.cmd(*cmd), _env())], tmp_path)
     _check(results, reference, hosts, "openmpi")
@@ -432,12 +435,12 @@ def slurm(hosts):
         deadline = time.monotonic() + 60
         state = ""
         while True:
-            p = subprocess.run(hosts.a.cmd(progs["sinfo"], "-h", "-N", "-o", "%N %T"), env=env,
-                               capture_output=True, text=True, timeout=30)
-            state = p.stdout + p.stderr
-            if p.returncode == 0 and sorted(state.split()) == sorted([hosts.a.name, hosts.b.name, "idle", "idle"]):
+            info = subprocess.run(hosts.a.cmd(progs["sinfo"], "-h", "-N", "-o", "%N %T"), env=env,
+                                  capture_output=True, text=True, timeout=30)
+            state = info.stdout + info.stderr
+            if info.returncode == 0 and sorted(state.split()) == sorted([hosts.a.name, hosts.b.name, "idle", "idle"]):
                 break
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            if time.monotonic() > deadline or any(proc.poll() is not None for proc in procs):
                 pytest.fail(f"the Slurm cluster did not come up (sinfo: {state.strip()!r})\n{logs()}")
             time.sleep(0.5)
         yield env
@@ -454,3 +457,4 @@ def test_slurm_two_hosts(hosts, slurm, reference, tmp_path):
     _check(results, reference, hosts, "slurm")
     nodelists = {r["variables"].get("SLURM_JOB_NODELIST", r["variables"].get("SLURM_NODELIST")) for r in results}
     assert len(nodelists) == 1 and "MASTER_ADDR" not in results[0]["variables"], results[0]["variables"]
+    assert first_slurm_host(nodelists.pop()) == hosts.a.name  # where init() found rank 0's store
