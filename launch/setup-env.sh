@@ -88,7 +88,7 @@ py_version() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])'; }
 # environment, python3/python on PATH, then virtual environments under /opt
 # (where a GPU machine's image keeps its torch). Never our own .venv.
 find_torch_python() {
-  local cand real
+  local cand
   local cands=()
   [ -n "${VIRTUAL_ENV:-}" ] && cands+=("$VIRTUAL_ENV/bin/python")
   [ -n "${CONDA_PREFIX:-}" ] && cands+=("$CONDA_PREFIX/bin/python")
