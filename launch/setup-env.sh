@@ -88,7 +88,7 @@ py_version() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])'; }
 # environment, python3/python on PATH, then virtual environments under /opt
 # (where a GPU machine's image keeps its torch). Never our own .venv.
 find_torch_python() {
-  local cand real
+  local cand
   local cands=()
   [ -n "${VIRTUAL_ENV:-}" ] && cands+=("$VIRTUAL_ENV/bin/python")
   [ -n "${CONDA_PREFIX:-}" ] && cands+=("$CONDA_PREFIX/bin/python")
@@ -199,20 +199,36 @@ if [ -n "$need_py" ]; then
   # shellcheck disable=SC2086
   pip_install $need_py || die "could not install $need_py, which the build/tests need: $(pip_error)"
 fi
+# Optional packages: a warning naming what is lost when one cannot be had.
+# Offline (pip finds no index, or cannot connect), one failure is enough: the
+# others are not tried, so an offline machine does not wait for each timeout.
+no_index=0
+optional_install() {  # $1: the package(s); $2: what is lost without them; then pip's arguments
+  local what=$1 lost=$2
+  shift 2
+  if [ $no_index = 1 ]; then
+    warn "not installing $what (no package index reachable): $lost"
+    return 0
+  fi
+  say "installing $what"
+  pip_install --retries 1 --timeout 15 "$@" && return 0
+  grep -qE "from versions: none|NewConnectionError|ConnectTimeout|Max retries exceeded|Temporary failure in name resolution|Network is unreachable" \
+    "$pip_log" && no_index=1
+  warn "could not install $what ($(pip_error)): $lost"
+}
 need_opt=$(missing numpy:numpy matplotlib:matplotlib tqdm:tqdm)
 if [ -n "$need_opt" ]; then
-  say "installing $need_opt"
   # shellcheck disable=SC2086
-  pip_install $need_opt || warn "could not install the optional $need_opt ($(pip_error)); the benchmark plots and its smoke test are skipped"
+  optional_install "$need_opt" "the benchmark's plots and its smoke test are skipped" $need_opt
 fi
 
 # mpi4py compiled against the MPI whose launcher starts the ranks (pip's wheel
 # cache is bypassed: it would hand back a build against another MPI).
 if ! "$PY" -c "import mpi4py" >/dev/null 2>&1; then
   if command -v mpicc >/dev/null 2>&1; then
-    say "building mpi4py against $(command -v mpicc)"
-    MPICC=$(command -v mpicc) pip_install --no-cache-dir --no-binary mpi4py mpi4py \
-      || warn "could not build mpi4py ($(pip_error)); MPI launches across hosts then need MASTER_ADDR/MASTER_PORT, and the mpirun tests are skipped"
+    MPICC=$(command -v mpicc) optional_install "mpi4py (built against $(command -v mpicc))" \
+      "MPI launches across hosts need MASTER_ADDR/MASTER_PORT, and the mpirun tests are skipped" \
+      --no-cache-dir --no-binary mpi4py mpi4py
   else
     warn "no mpicc: mpi4py not installed; MPI launches across hosts need MASTER_ADDR/MASTER_PORT, and the mpirun tests are skipped"
   fi
@@ -221,10 +237,10 @@ fi
 # $VENV/mpich-mpi4py and put first on PYTHONPATH for MPICH's ranks only.
 if [ "${PGD_SETUP_TESTS:-0}" = 1 ] && command -v mpicc.mpich >/dev/null 2>&1 \
     && [ ! -d "$VENV/mpich-mpi4py/mpi4py" ]; then
-  say "building mpi4py against $(command -v mpicc.mpich) into $VENV/mpich-mpi4py"
-  MPICC=$(command -v mpicc.mpich) pip_install --no-cache-dir --no-binary mpi4py --no-deps \
-      --target "$VENV/mpich-mpi4py" mpi4py \
-    || { rm -rf "$VENV/mpich-mpi4py"; warn "could not build mpi4py for MPICH ($(pip_error)); the MPICH two-host test is skipped"; }
+  MPICC=$(command -v mpicc.mpich) optional_install "mpi4py (built against $(command -v mpicc.mpich), into $VENV/mpich-mpi4py)" \
+      "the MPICH two-host test is skipped" \
+      --no-cache-dir --no-binary mpi4py --no-deps --target "$VENV/mpich-mpi4py" mpi4py
+  [ -d "$VENV/mpich-mpi4py/mpi4py" ] || rm -rf "$VENV/mpich-mpi4py"
 fi
 rm -f "$pip_log"
 

@@ -16,7 +16,7 @@ if NINJA_DIR="$("$PY" -c 'import ninja, os; print(ninja.BIN_DIR)' 2>/dev/null)";
   export PATH="$NINJA_DIR:$PATH"
 fi
 
-if [ -f /usr/include/gtest/gtest.h ] || [ -n "$(find /usr/lib /usr/local/lib -name GTestConfig.cmake 2>/dev/null | head -n1)" ]; then
+if [ -f /usr/include/gtest/gtest.h ] || [ -f /usr/local/include/gtest/gtest.h ]; then
   echo "== C++ core (GoogleTest)" >&2
   cmake -S . -B build/core-tests -G Ninja -DPGD_BUILD_EXTENSION=OFF -DPGD_BUILD_TESTS=ON >/dev/null
   cmake --build build/core-tests

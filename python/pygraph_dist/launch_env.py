@@ -76,7 +76,7 @@ def _require(environ: Mapping[str, str], launcher: str, present: str, names: lis
             f"{present} is set ({launcher} launch) but {', '.join(missing)} "
             f"{'is' if len(missing) == 1 else 'are'} not: set "
             f"{' and '.join(missing)}, or launch with `torchrun`, `mpirun` or `srun` "
-            "(see launch/README or `pygraph-launch --help`)."
+            "(see launch/README.md or `pygraph-launch --help`)."
         )
 
 

@@ -62,6 +62,7 @@ def test_main_job_runs_on_two_ranks():
 
 @pytest.mark.slow
 def test_benchmark_harness_smoke(tmp_path):
+    pytest.importorskip("matplotlib", reason="the benchmark's plots need matplotlib (setup installs it where pip has an index)")
     p = subprocess.run([sys.executable, "benchmarks/bench_scaling.py", "--workloads", "tiny", "--world-sizes", "1,2",
                         "--conditions", "baseline,jitter", "--iters", "12", "--out-dir", str(tmp_path),
                         "--name", "smoke", "--timeout", "150"], cwd=ROOT, env=child_env(), capture_output=True,
