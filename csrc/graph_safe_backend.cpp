@@ -71,6 +71,12 @@ int op_code(const c10d::ReduceOp& op) {
   return static_cast<int>(op.op_);
 }
 
+// Every refusal of a call that cannot be captured: a c10::Error whose message
+// starts with kNotCapturableTag, which the engine turns into an eager fallback.
+[[noreturn]] void refuse(const std::string& what) {
+  TORCH_CHECK(false, kNotCapturableTag, " ", what);
+}
+
 // The Work of a collective issued while the stream was capturing. Its CUDA
 // work exists only inside the graph, so host-side queries about it have no
 // meaning; they are refused with an explanation instead of failing inside
@@ -134,10 +140,6 @@ class CapturedWork : public Work {
              "blocking waits poll from the host. Unset TORCH_NCCL_BLOCKING_WAIT.");
     }
   }
-  [[noreturn]] static void refuse(const std::string& what) {
-    TORCH_CHECK(false, kNotCapturableTag, " ", what);
-  }
-
   c10::intrusive_ptr<Work> inner_;
   std::string op_;
   bool blocking_wait_;
@@ -186,28 +188,28 @@ uint64_t GraphSafeBackend::collectives_captured() const {
 }
 
 bool GraphSafeBackend::enter(const CollectiveRecord& rec) {
-  const bool capturing = device_type_ == "cuda" && current_stream_is_capturing();
+  const bool is_capturing = capturing();
   std::lock_guard<std::mutex> lock(mu_);
   ++issued_;
-  if (capturing) {
+  if (is_capturing) {
     ++captured_;
   }
   if (recording_) {
     fingerprint_.record(rec);
   }
-  return capturing;
+  return is_capturing;
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::leave(
-    c10::intrusive_ptr<Work> work, bool capturing, const char* op) {
-  if (!capturing || !work) {
+    c10::intrusive_ptr<Work> work, bool was_capturing, const char* op) {
+  if (!was_capturing || !work) {
     return work;
   }
   return c10::make_intrusive<CapturedWork>(std::move(work), op, blocking_wait_);
 }
 
-void GraphSafeBackend::refuse(const std::string& what) const {
-  TORCH_CHECK(false, kNotCapturableTag, " ", what);
+bool GraphSafeBackend::capturing() const {
+  return device_type_ == "cuda" && current_stream_is_capturing();
 }
 
 const std::string GraphSafeBackend::getBackendName() const {
@@ -229,14 +231,13 @@ void GraphSafeBackend::setTimeout(std::chrono::milliseconds timeout) {
 void GraphSafeBackend::startCoalescing() { inner_->startCoalescing(); }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::endCoalescing() {
-  const bool capturing = device_type_ == "cuda" && current_stream_is_capturing();
-  return leave(inner_->endCoalescing(), capturing, "a coalesced collective");
+  return leave(inner_->endCoalescing(), capturing(), "a coalesced collective");
 }
 
 // Every collective below has the same shape: record, forward, wrap.
 #define PGD_FORWARD(OPNAME, RECORD, CALL)          \
-  const bool capturing = enter(RECORD);            \
-  return leave(inner_->CALL, capturing, OPNAME)
+  const bool was_capturing = enter(RECORD);        \
+  return leave(inner_->CALL, was_capturing, OPNAME)
 
 c10::intrusive_ptr<Work> GraphSafeBackend::broadcast(
     std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
@@ -365,7 +366,7 @@ c10::intrusive_ptr<Work> GraphSafeBackend::alltoall(
 }
 
 void GraphSafeBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
-  if (device_type_ == "cuda" && current_stream_is_capturing()) {
+  if (capturing()) {
     refuse("monitored_barrier() during CUDA graph capture: it synchronizes the "
            "host, which a replay cannot repeat. Move it outside the training step.");
   }
@@ -391,7 +392,7 @@ c10::intrusive_ptr<Work> GraphSafeBackend::recv(
 
 c10::intrusive_ptr<Work> GraphSafeBackend::recvAnysource(
     std::vector<at::Tensor>& tensors, int tag) {
-  if (device_type_ == "cuda" && current_stream_is_capturing()) {
+  if (capturing()) {
     refuse("recv() from any source during CUDA graph capture: the sender is "
            "decided at run time, which a replay cannot repeat.");
   }
@@ -399,7 +400,7 @@ c10::intrusive_ptr<Work> GraphSafeBackend::recvAnysource(
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::barrier(const c10d::BarrierOptions& opts) {
-  if (device_type_ == "cuda" && current_stream_is_capturing()) {
+  if (capturing()) {
     refuse("barrier() during CUDA graph capture: a barrier synchronizes the host "
            "with every rank, which a replay cannot repeat. Move it outside the "
            "training step (before or after the loop).");

@@ -185,8 +185,10 @@ class GraphSafeBackend : public c10d::Backend {
   // record into the fingerprint, and wrap the Work of a captured call.
   bool enter(const core::CollectiveRecord& rec);
   c10::intrusive_ptr<c10d::Work> leave(
-      c10::intrusive_ptr<c10d::Work> work, bool capturing, const char* op);
-  [[noreturn]] void refuse(const std::string& what) const;
+      c10::intrusive_ptr<c10d::Work> work, bool was_capturing, const char* op);
+  // This backend serves CUDA tensors and this thread's current stream is
+  // capturing: the one test behind every refusal and every captured record.
+  bool capturing() const;
   // Children made by split/shrink/merge are wrapped too.
   c10::intrusive_ptr<c10d::Backend> wrap_child(c10::intrusive_ptr<c10d::Backend> child) const;
 
