@@ -10,6 +10,9 @@
 #include "graph_safe_backend.h"
 #include "iteration_stats.h"
 #include "replay_watchdog.h"
+#include "terminate_report.h"
+
+#include <pthread.h>
 
 #include <chrono>
 #include <thread>
@@ -287,6 +290,13 @@ void bind_watchdog(py::module_& m) {
   m.def("_hold_gil_for_test", [](double seconds) {
     std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
   });
+  // Test hook: std::terminate from a named thread, as a joinable thread destroyed would.
+  m.def("_terminate_for_test", [](const std::string& thread_name) {
+    std::thread([thread_name] {
+      pthread_setname_np(pthread_self(), thread_name.substr(0, 15).c_str());
+      std::terminate();
+    }).join();
+  });
 }
 
 }  // namespace
@@ -306,4 +316,5 @@ PYBIND11_MODULE(_C, m) {
   bind_core(m);
   bind_backend(m);
   bind_watchdog(m);
+  install_terminate_report();
 }

@@ -1,6 +1,7 @@
 #include "replay_watchdog.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <Python.h>
@@ -369,26 +370,27 @@ ReplayWatchdog::ReplayWatchdog(ReplayWatchdogOptions options) {
   if (Py_IsInitialized() && PyGILState_Check()) {
     s.interp = PyInterpreterState_Get();
   }
-  auto start = [this](void (State::*loop)()) {
+  auto start = [this](void (State::*loop)(), const char* name) {
     std::shared_ptr<State> st = state_;
     {
       std::lock_guard<std::mutex> lock(st->mu);
       ++st->threads_running;
     }
-    threads_.emplace_back([st, loop] {
+    threads_.emplace_back([st, loop, name] {
+      pthread_setname_np(pthread_self(), name);  // shows in stacks, top, gdb
       ((*st).*loop)();
       std::lock_guard<std::mutex> lock(st->mu);
       --st->threads_running;
       st->thread_exited.notify_all();
     });
   };
-  start(&State::poll_loop);
-  start(&State::judge_loop);
+  start(&State::poll_loop, "pgd_wd_poll");
+  start(&State::judge_loop, "pgd_wd_judge");
   if (s.opts.store) {
     // A heartbeat older than two periods plus a second is stale: an alive
     // rank writes every period, and this rank reads every period.
     s.liveness.emplace(s.opts.world_size, s.opts.rank, 2.0 * s.heartbeat_s + 1.0);
-    start(&State::heartbeat_loop);
+    start(&State::heartbeat_loop, "pgd_wd_beat");
   }
 }
 

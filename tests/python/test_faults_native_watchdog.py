@@ -113,3 +113,15 @@ def test_python_wrapper_disabled_and_lazy():
     assert on.enabled and on._native is None  # threads start at the first replay
     on.close()
     on.close()  # idempotent
+
+
+def test_std_terminate_names_the_thread():
+    # Issue 13, item 4: an abort at exit must say which thread and where.
+    code = ("import torch\nfrom pygraph_dist._ext import C\nC._terminate_for_test('pt_gloo_runloop')\n")
+    e = child_env(PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                  PYTHONFAULTHANDLER="0")
+    p = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60)
+    assert p.returncode in (-6, 134), p.stderr
+    assert "[pygraph_dist] std::terminate in thread 'pt_gloo_runloop'" in p.stderr, p.stderr
+    assert "without an active exception; native stack:" in p.stderr, p.stderr
+    assert "terminate called without an active exception" in p.stderr, p.stderr  # the default line still follows
