@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 
-def _write(out: str, rank: int, **fields) -> None:
-    path = Path(out, f"rank{rank}.json")
+def _write(out: str, who: int, **fields) -> None:
+    path = Path(out, f"rank{who}.json")
     data = json.loads(path.read_text()) if path.exists() else {}
     data.update(fields)
     tmp = path.with_suffix(".tmp")
@@ -65,11 +65,15 @@ def train(args) -> None:
 
     rank = dist.get_rank()
     _write(args.out, rank, pid=os.getpid(), rank=rank, started=time.time())
-    dev = torch.device("cuda", torch.cuda.current_device())
+    # CPU only to smoke-test the fault harness itself; the tests need CUDA.
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(0)
     base = MLP().to(dev)
     opt = torch.optim.AdamW(base.parameters(), lr=1e-3)
-    model, opt = pgd.wrap(base, opt, replay_timeout=args.replay_timeout, graphs=bool(args.graphs))
+    # select=False: keep the graph whatever the timings, so that the fault
+    # always meets a replayed iteration (graphs=0 trains eagerly instead).
+    model, opt = pgd.wrap(base, opt, replay_timeout=args.replay_timeout, graphs=bool(args.graphs),
+                          select=False)
     if args.python_watchdog:
         # Diagnostics: the Python-thread watchdog alongside the native one,
         # with a shorter timeout. If it fires first, Python could run; if the
@@ -107,7 +111,7 @@ def train(args) -> None:
         opt.step()
         if step % 50 == 0:
             replays = pgd.report().models[0].replays if args.graphs else 0
-            print(f"faults_workers: rank {rank} step {step} loss {float(loss):.4f} replays {replays}",
+            print(f"faults_workers: rank {rank} step {step} loss {loss.detach().item():.4f} replays {replays}",
                   flush=True)
     _write(args.out, rank, finished=True)
     pgd.shutdown()
