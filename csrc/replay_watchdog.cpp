@@ -411,6 +411,12 @@ uint64_t ReplayWatchdog::arm(const std::string& label, const std::string& collec
   TORCH_CHECK(!closed_, "ReplayWatchdog.arm() after close()");
   State& s = *state_;
   const int device = c10::cuda::current_device();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) {
+    return 0;  // an event recorded now would become a node of the graph being captured
+  }
   Slot slot;
   slot.device = device;
   {
@@ -430,7 +436,6 @@ uint64_t ReplayWatchdog::arm(const std::string& label, const std::string& collec
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
     slot.event = ev;
   }
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   const cudaError_t err = cudaEventRecord(static_cast<cudaEvent_t>(slot.event), stream);
   {
     std::lock_guard<std::mutex> lock(s.mu);

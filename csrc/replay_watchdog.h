@@ -73,8 +73,9 @@ class ReplayWatchdog {
   void launch_finished();
 
   // Records a CUDA event on the current stream of the current device and
-  // waits for it; returns its sequence number. Only in builds with the CUDA
-  // code paths (otherwise throws).
+  // waits for it; returns its sequence number (0, and nothing armed, while
+  // that stream is capturing). Only in builds with the CUDA code paths
+  // (otherwise throws).
   uint64_t arm(const std::string& label, const std::string& collectives);
   // A pending replay without CUDA, completed by complete_host(): lets the
   // CPU tests exercise the threads, the report and the exit.
