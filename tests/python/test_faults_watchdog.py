@@ -138,7 +138,7 @@ def _run(s: Scenario, base: Path) -> Outcome:
         if not o.error:
             o.fault_time = r1["fault_time"]
             pid = r0["pid"]
-            limit = o.fault_time + BOUND + 30  # observe past the bound, to report how late
+            limit = o.fault_time + (BOUND if s.graphs else NCCL_TIMEOUT + 60) + 30  # past the bound: how late
             while _pid_alive(pid) and time.time() < limit:
                 time.sleep(0.05)
             o.survivor_exit_after_fault = time.time() - o.fault_time
@@ -245,7 +245,9 @@ def test_eager_collectives_keep_nccls_own_timeout(outcomes, fault):
     # and takes the process down; our replay watchdog never arms.
     o = outcomes[f"eager-{fault}"]
     assert not o.error, f"{o.error}\n{o.output[-5000:]}"
-    assert o.survivor_exit_after_fault is not None and o.survivor_exit_after_fault <= NCCL_TIMEOUT + 10, (
+    # PGNCCL may spend a while on its Flight Recorder dump before aborting:
+    # the point is that its timeout applies at all, not how fast it ends.
+    assert o.survivor_exit_after_fault is not None and o.survivor_exit_after_fault <= NCCL_TIMEOUT + 60, (
         f"{o.survivor_exit_after_fault} s\n{o.output[-5000:]}")
     assert o.survivor_code not in (0, 70, None), f"exit {o.survivor_code}\n{o.output[-5000:]}"
     assert "[pygraph_dist watchdog]" not in o.output
