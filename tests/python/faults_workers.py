@@ -181,7 +181,48 @@ def native_heartbeats(args) -> None:
     print("faults_workers: NOT REACHED", flush=True)
 
 
-CASES = {f.__name__: f for f in (train, native_gil_held, native_completes, native_heartbeats)}
+def mode_capture(args) -> None:
+    """Does the Work of an async all-reduce issued under a TorchFunctionMode
+    hold that mode (in its captured thread-local state)? ``--backend`` picks
+    the wrapped Gloo (``pgd``) or torch's stock one (``gloo``)."""
+    import sys as _sys
+
+    from torch.overrides import TorchFunctionMode
+
+    import pygraph_dist as pgd
+
+    pgd.init(backend="auto" if args.backend == "pgd" else "gloo")
+    import torch.distributed as dist
+
+    class Watching(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    t = torch.ones(1000)
+    # 1. A TorchFunctionMode on the stack (pygraph_dist's LoopMonitor is, during backward).
+    mode = Watching()
+    base = _sys.getrefcount(mode)
+    with mode:
+        work = dist.all_reduce(t, async_op=True)
+    held_mode = _sys.getrefcount(mode) - base  # the Work is alive: what it captured is too
+    work.wait()
+    del work
+    # 2. A Python object in C++ thread-local storage, as torch's backward stashes
+    # contextvars.copy_context() there (torch/autograd/graph.py, _engine_run_backward).
+    obj = object()
+    base = _sys.getrefcount(obj)
+    torch._C._stash_obj_in_tls("pgd-test", obj)
+    work = dist.all_reduce(t, async_op=True)
+    torch._C._remove_obj_from_tls("pgd-test")
+    held_tls = _sys.getrefcount(obj) - base
+    work.wait()
+    del work
+    _write(args.out, dist.get_rank(), held_mode=held_mode, held_tls=held_tls, backend=dist.get_backend())
+    dist.destroy_process_group()
+
+
+CASES = {f.__name__: f for f in (train, native_gil_held, native_completes, native_heartbeats,
+                                 mode_capture)}
 
 
 def main() -> None:
@@ -198,6 +239,7 @@ def main() -> None:
     ap.add_argument("--graphs", type=int, default=1)
     ap.add_argument("--leave-sleep", type=float, default=120.0)
     ap.add_argument("--python-watchdog", type=float, default=0.0)
+    ap.add_argument("--backend", default="pgd", choices=["pgd", "gloo"])
     args = ap.parse_args()
     CASES[args.case](args)
 
