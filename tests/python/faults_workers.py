@@ -109,7 +109,10 @@ def train(args) -> None:
         loss = model(x, y)
         loss.backward()
         opt.step()
-        if step % 50 == 0:
+        # Progress lines sync the host (.item()); none after the fault step, so
+        # that the survivor keeps launching until the launch queue is full, as
+        # in the hang seen on 2xH200 (main thread blocked inside a launch).
+        if step % 50 == 0 and step < args.fault_step:
             replays = pgd.report().models[0].replays if args.graphs else 0
             print(f"faults_workers: rank {rank} step {step} loss {loss.detach().item():.4f} replays {replays}",
                   flush=True)
