@@ -1,7 +1,10 @@
 """Exit stress: many 2-rank Gloo jobs that end normally or by error, counting aborts.
 
     python tests/python/exit_stress.py --n 500            # 500 process exits (250 jobs)
-    python tests/python/exit_stress.py --n 40 --jobs 2    # what the slow pytest test runs
+    python tests/python/exit_stress.py --n 18             # what the slow pytest test runs
+
+The ranks import the pygraph_dist this Python finds (installed, or through
+PYTHONPATH=python with the extension built in place).
 
 Each job starts 2 CPU ranks that call ``pgd.init()``, ``pgd.wrap()``, train a
 few steps and then end in one of the ways below (cycled, so every way is
@@ -111,7 +114,6 @@ def _env(rank: int, port: int) -> dict:
     env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 

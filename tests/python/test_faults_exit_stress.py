@@ -35,7 +35,6 @@ def test_collective_works_hold_no_python_objects(tmp_path):
     thread destroyed it (taking the GIL) while the interpreter was finalizing.
     Through pygraph_dist's backend the Work holds none (torch's stock Gloo: 1)."""
     import json
-    import os
 
     from conftest import child_env, free_port
 
@@ -44,8 +43,7 @@ def test_collective_works_hold_no_python_objects(tmp_path):
     procs = [subprocess.Popen(
         [sys.executable, str(worker), "mode_capture", "--out", str(tmp_path), "--backend", "pgd"],
         env=child_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, CUDA_VISIBLE_DEVICES="",
-                      PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", "")),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, CUDA_VISIBLE_DEVICES=""),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT)) for r in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outs)

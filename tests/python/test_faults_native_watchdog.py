@@ -10,7 +10,6 @@ test_faults_watchdog.py.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ WORKER = Path(__file__).with_name("faults_workers.py")
 
 
 def _start(case: str, out: Path, *args: str, **env: str) -> subprocess.Popen:
-    e = child_env(PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+    e = child_env(**env)  # the pygraph_dist this pytest imports: installed, or on PYTHONPATH
     return subprocess.Popen([sys.executable, str(WORKER), case, "--out", str(out), *args], env=e,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT))
 
@@ -118,8 +117,7 @@ def test_python_wrapper_disabled_and_lazy():
 def test_std_terminate_names_the_thread():
     # Issue 13, item 4: an abort at exit must say which thread and where.
     code = ("import torch\nfrom pygraph_dist._ext import C\nC._terminate_for_test('pt_gloo_runloop')\n")
-    e = child_env(PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                  PYTHONFAULTHANDLER="0")
+    e = child_env(PYTHONFAULTHANDLER="0")
     p = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60)
     assert p.returncode in (-6, 134), p.stderr
     assert "[pygraph_dist] std::terminate in thread 'pt_gloo_runloop'" in p.stderr, p.stderr

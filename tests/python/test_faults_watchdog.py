@@ -106,17 +106,16 @@ def _run(s: Scenario, base: Path) -> Outcome:
             "--replay-timeout", str(REPLAY_TIMEOUT),
             "--nccl-timeout", str(600.0 if s.graphs else NCCL_TIMEOUT),
             "--graphs", "1" if s.graphs else "0", *s.extra]
-    pypath = str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", "")
     logs = [open(out / f"log{r}.txt", "w") for r in range(2)]
     procs: list[subprocess.Popen] = []
     if s.launcher == "hand":
         for r in range(2):
             env = child_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=pypath)
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             procs.append(subprocess.Popen([sys.executable, *args], env=env, stdout=logs[r],
                                           stderr=subprocess.STDOUT, cwd=str(ROOT)))
     else:
-        env = child_env(PYTHONPATH=pypath)
+        env = child_env()
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
              f"--master-port={port}", "--redirects=3", f"--log-dir={out / 'torchrun'}", *args],
