@@ -9,6 +9,17 @@
 #include "capture_policy.h"
 #include "graph_safe_backend.h"
 #include "iteration_stats.h"
+#include "replay_watchdog.h"
+#include "terminate_report.h"
+
+#include <pthread.h>
+
+#include <chrono>
+#include <thread>
+
+#ifdef PGD_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#endif
 
 namespace py = pybind11;
 using namespace pgd;
@@ -195,6 +206,120 @@ void bind_backend(py::module_& m) {
       .def_property_readonly("collectives_captured", &GraphSafeBackend::collectives_captured);
 }
 
+template <typename T>
+c10::intrusive_ptr<T> optional_intrusive(const py::object& obj) {
+  return obj.is_none() ? c10::intrusive_ptr<T>() : obj.cast<c10::intrusive_ptr<T>>();
+}
+
+void bind_watchdog(py::module_& m) {
+  m.attr("WATCHDOG_EXIT_CODE") = kWatchdogExitCode;
+  using gil_release = py::call_guard<py::gil_scoped_release>;
+  py::class_<ReplayWatchdog, std::shared_ptr<ReplayWatchdog>>(
+      m, "ReplayWatchdog",
+      "Native replay watchdog: its own threads, never the GIL (csrc/replay_watchdog.h). "
+      "On a timeout it prints what it waited for, the other ranks' heartbeats and the "
+      "Python stacks, then ends the process with exit_code.")
+      .def(py::init([](double timeout_s, int exit_code, double poll_s, std::string context,
+                       const py::object& store, int rank, int world_size, double heartbeat_s,
+                       std::string heartbeat_prefix, bool dump_python,
+                       const py::object& abort_backend, double abort_wait_s) {
+             ReplayWatchdogOptions o;
+             o.timeout_s = timeout_s;
+             o.exit_code = exit_code;
+             o.poll_s = poll_s;
+             o.context = std::move(context);
+             o.store = optional_intrusive<c10d::Store>(store);
+             o.rank = rank;
+             o.world_size = world_size;
+             o.heartbeat_s = heartbeat_s;
+             o.heartbeat_prefix = std::move(heartbeat_prefix);
+             o.dump_python = dump_python;
+             o.abort_backend = optional_intrusive<c10d::Backend>(abort_backend);
+             o.abort_wait_s = abort_wait_s;
+             return std::make_shared<ReplayWatchdog>(std::move(o));
+           }),
+           py::arg("timeout_s"), py::arg("exit_code") = kWatchdogExitCode,
+           py::arg("poll_s") = 0.0, py::arg("context") = "", py::arg("store") = py::none(),
+           py::arg("rank") = 0, py::arg("world_size") = 1, py::arg("heartbeat_s") = 0.0,
+           py::arg("heartbeat_prefix") = "pgd/alive/", py::arg("dump_python") = true,
+           py::arg("abort_backend") = py::none(), py::arg("abort_wait_s") = 0.0)
+      // Every call that can touch CUDA or wait releases the GIL: recording an
+      // event blocks once the launch queue is full.
+      .def("launch_started", &ReplayWatchdog::launch_started, py::arg("label"),
+           py::arg("collectives") = "", gil_release())
+      .def("launch_finished", &ReplayWatchdog::launch_finished, gil_release())
+      .def("arm", &ReplayWatchdog::arm, py::arg("label"), py::arg("collectives") = "", gil_release(),
+           "Record an event on the current CUDA stream and time out if it does not complete.")
+      .def("arm_host", &ReplayWatchdog::arm_host, py::arg("label"), py::arg("collectives") = "",
+           gil_release(), "A pending replay completed by complete_host() (tests without CUDA).")
+      .def("complete_host", &ReplayWatchdog::complete_host, gil_release())
+      .def("clear", &ReplayWatchdog::clear, gil_release())
+      .def("close", &ReplayWatchdog::close, gil_release())
+      .def_property_readonly("closed", &ReplayWatchdog::closed)
+      .def_property_readonly("armed", &ReplayWatchdog::armed)
+      .def_property_readonly("completed", &ReplayWatchdog::completed)
+      .def_property_readonly("pending", &ReplayWatchdog::pending)
+      .def_property_readonly("timeout_s", &ReplayWatchdog::timeout_s)
+      .def_property_readonly("poll_s", &ReplayWatchdog::poll_s)
+      .def_property_readonly("heartbeat_s", &ReplayWatchdog::heartbeat_s)
+      .def_static("python_stacks_available", &ReplayWatchdog::python_stacks_available);
+
+#ifdef PGD_WITH_CUDA
+  // torch binds CUDAGraph.replay with the GIL released already
+  // (torch/csrc/cuda/Graph.cpp, wrap_pybind_function_no_gil); this adds the
+  // watchdog's launch bracket and event around the launches, in one call.
+  m.def(
+      "replay_graphs",
+      [](const py::sequence& graphs, const py::object& watchdog, const std::string& label,
+         const std::string& collectives, bool arm) {
+        std::vector<std::shared_ptr<at::cuda::CUDAGraph>> gs;
+        gs.reserve(graphs.size());
+        for (const py::handle g : graphs) {
+          gs.push_back(g.cast<std::shared_ptr<at::cuda::CUDAGraph>>());
+        }
+        std::shared_ptr<ReplayWatchdog> wd =
+            watchdog.is_none() ? nullptr : watchdog.cast<std::shared_ptr<ReplayWatchdog>>();
+        py::gil_scoped_release no_gil;
+        if (wd) {
+          wd->launch_started(label, collectives);
+        }
+        try {
+          for (const auto& g : gs) {
+            g->replay();
+          }
+        } catch (...) {
+          if (wd) {
+            wd->launch_finished();
+          }
+          throw;
+        }
+        if (wd) {
+          wd->launch_finished();
+          if (arm) {
+            wd->arm(label, collectives);
+          }
+        }
+      },
+      py::arg("graphs"), py::arg("watchdog") = py::none(), py::arg("label") = "",
+      py::arg("collectives") = "", py::arg("arm") = true,
+      "Replay torch.cuda.CUDAGraph objects in order on the current stream without the GIL; "
+      "with a watchdog, time the launches and (arm=True) record an event after them.");
+#endif
+
+  // Test hook: block this thread for `seconds` while holding the GIL, as a
+  // CUDA call made with the GIL held blocks when the launch queue is full.
+  m.def("_hold_gil_for_test", [](double seconds) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  });
+  // Test hook: std::terminate from a named thread, as a joinable thread destroyed would.
+  m.def("_terminate_for_test", [](const std::string& thread_name) {
+    std::thread([thread_name] {
+      pthread_setname_np(pthread_self(), thread_name.substr(0, 15).c_str());
+      std::terminate();
+    }).join();
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -211,4 +336,6 @@ PYBIND11_MODULE(_C, m) {
         "True when this thread's current CUDA stream is capturing.");
   bind_core(m);
   bind_backend(m);
+  bind_watchdog(m);
+  install_terminate_report();
 }

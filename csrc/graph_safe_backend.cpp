@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <utility>
 
+#include <ATen/ThreadLocalPythonObjects.h>
 #include <c10/util/Exception.h>
 
 #ifdef PGD_WITH_CUDA
@@ -70,6 +71,34 @@ std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& list
 int op_code(const c10d::ReduceOp& op) {
   return static_cast<int>(op.op_);
 }
+
+// Hides the Python objects torch keeps in C++ thread-local storage
+// (at::impl::ThreadLocalPythonObjects) from the wrapped backend while it is
+// called. torch's backward stashes contextvars.copy_context() there for its
+// whole duration (torch/autograd/graph.py, _engine_run_backward), and our
+// reducer issues the bucket all-reduces from gradient hooks during backward.
+// ProcessGroupGloo's AsyncWork captures the caller's at::ThreadLocalState,
+// those objects included, and the last reference to a Work is often dropped
+// by a Gloo worker thread, whose ~SafePyObject then takes the GIL. During
+// interpreter finalization CPython ends such a thread with pthread_exit; the
+// unwinding meets noexcept destructors and calls std::terminate ("terminate
+// called without an active exception" after Python finished, issue 13 item 4;
+// native stack: pt_gloo_runloop, ~AsyncAllreduceWork, ~ThreadLocalState,
+// ~SafePyObject, gil_scoped_acquire, pthread_exit). The collective itself
+// never reads these objects. Saving and restoring copies shared_ptrs only:
+// no Python refcount changes, no GIL.
+class PythonTlsObjectsHidden {
+ public:
+  PythonTlsObjectsHidden() : saved_(at::impl::ThreadLocalPythonObjects::get_state()) {
+    at::impl::ThreadLocalPythonObjects::set_state(at::impl::ThreadLocalPythonObjects());
+  }
+  ~PythonTlsObjectsHidden() { at::impl::ThreadLocalPythonObjects::set_state(std::move(saved_)); }
+  PythonTlsObjectsHidden(const PythonTlsObjectsHidden&) = delete;
+  PythonTlsObjectsHidden& operator=(const PythonTlsObjectsHidden&) = delete;
+
+ private:
+  at::impl::ThreadLocalPythonObjects saved_;
+};
 
 // Every refusal of a call that cannot be captured: a c10::Error whose message
 // starts with kNotCapturableTag, which the engine turns into an eager fallback.
@@ -231,12 +260,15 @@ void GraphSafeBackend::setTimeout(std::chrono::milliseconds timeout) {
 void GraphSafeBackend::startCoalescing() { inner_->startCoalescing(); }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::endCoalescing() {
+  PythonTlsObjectsHidden hidden;
   return leave(inner_->endCoalescing(), capturing(), "a coalesced collective");
 }
 
-// Every collective below has the same shape: record, forward, wrap.
+// Every collective below has the same shape: record, forward (without
+// Python objects in the Work's captured thread-local state), wrap.
 #define PGD_FORWARD(OPNAME, RECORD, CALL)          \
   const bool was_capturing = enter(RECORD);        \
+  PythonTlsObjectsHidden hidden;                   \
   return leave(inner_->CALL, was_capturing, OPNAME)
 
 c10::intrusive_ptr<Work> GraphSafeBackend::broadcast(

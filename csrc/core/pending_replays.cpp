@@ -89,7 +89,8 @@ void PendingReplays::clear(double now) {
 
 std::string encode_heartbeat(const Heartbeat& hb) {
   char buf[96];
-  std::snprintf(buf, sizeof(buf), "%.3f %" PRIu64 " %" PRIu64, hb.wall_s, hb.armed, hb.completed);
+  std::snprintf(buf, sizeof(buf), "%.3f %" PRIu64 " %" PRIu64 "%s", hb.wall_s, hb.armed,
+                hb.completed, hb.closed ? " closed" : "");
   return buf;
 }
 
@@ -101,7 +102,10 @@ std::optional<Heartbeat> decode_heartbeat(const std::string& text) {
   }
   std::string rest;
   if (in >> rest) {
-    return std::nullopt;
+    if (rest != "closed" || (in >> rest)) {
+      return std::nullopt;
+    }
+    hb.closed = true;
   }
   return hb;
 }
@@ -144,7 +148,7 @@ std::vector<int> RankLiveness::stale(double wall_now) const {
       continue;
     }
     const Seen& s = seen_[static_cast<size_t>(r)];
-    if (!s.last || wall_now - s.last->wall_s > stale_after_s_) {
+    if (!s.last || s.last->closed || wall_now - s.last->wall_s > stale_after_s_) {
       out.push_back(r);
     }
   }
@@ -178,6 +182,11 @@ std::string RankLiveness::describe(double wall_now, size_t max_ranks) const {
     const bool is_stale = std::find(stale_ranks.begin(), stale_ranks.end(), r) != stale_ranks.end();
     if (!s.last) {
       std::snprintf(buf, sizeof(buf), "rank %d: no heartbeat seen (NOT ALIVE or never started its watchdog)", r);
+    } else if (s.last->closed) {
+      std::snprintf(buf, sizeof(buf),
+                    "rank %d: closed its watchdog %.1f s ago (it left training: teardown, shutdown or "
+                    "exit) after arming %" PRIu64 " replays, %" PRIu64 " completed",
+                    r, wall_now - s.last->wall_s, s.last->armed, s.last->completed);
     } else {
       std::snprintf(buf, sizeof(buf),
                     "rank %d: last heartbeat %.1f s ago (%s), had armed %" PRIu64 " replays, %" PRIu64 " completed",

@@ -97,8 +97,9 @@ class PendingReplays {
 };
 
 // ---- heartbeats ---------------------------------------------------------
-// Each rank's watchdog writes "<wall ms> <armed> <completed>" under its key
-// every few seconds; on a timeout the survivor says which ranks were last
+// Each rank's watchdog writes "<wall s> <armed> <completed>[ closed]" under
+// its key every few seconds, and once more with "closed" when it is closed
+// (the engine tore down: the rank left training on purpose); on a timeout the survivor says which ranks were last
 // seen alive and how far each got. Wall-clock time (not monotonic) because
 // ranks on different hosts compare it; skew of a second does not matter
 // against staleness thresholds of several heartbeat periods.
@@ -106,6 +107,7 @@ struct Heartbeat {
   double wall_s = 0.0;
   uint64_t armed = 0;
   uint64_t completed = 0;
+  bool closed = false;  // the rank closed its watchdog: it is not replaying any more
 };
 
 std::string encode_heartbeat(const Heartbeat& hb);
@@ -123,8 +125,8 @@ class RankLiveness {
   void store_unreachable(const std::string& why, double wall_now);
   void store_reachable();
 
-  // Ranks (other than self) whose last heartbeat is older than stale_after_s,
-  // or that were never seen.
+  // Ranks (other than self) not replaying: last heartbeat older than
+  // stale_after_s, never seen, or closed.
   std::vector<int> stale(double wall_now) const;
   // One line per other rank (at most `max_ranks`, stale ones first), e.g.
   // "rank 1: last heartbeat 14.2 s ago (NOT ALIVE), had armed 199 replays, 199 completed".

@@ -136,6 +136,22 @@ TEST(Heartbeat, RoundTripsAndRejectsGarbage) {
   EXPECT_FALSE(decode_heartbeat("12.5 3").has_value());
   EXPECT_FALSE(decode_heartbeat("12.5 3 4 extra").has_value());
   EXPECT_FALSE(decode_heartbeat("abc 1 2").has_value());
+  EXPECT_FALSE(back->closed);
+  hb.closed = true;
+  auto closed = decode_heartbeat(encode_heartbeat(hb));
+  ASSERT_TRUE(closed.has_value());
+  EXPECT_TRUE(closed->closed);
+  EXPECT_FALSE(decode_heartbeat("12.5 3 4 closed more").has_value());
+}
+
+TEST(RankLiveness, ClosedRankIsNotReplaying) {
+  RankLiveness l(2, 0, 8.0);
+  Heartbeat hb{99.0, 180, 180};
+  hb.closed = true;
+  l.observe(1, hb, 100.0);
+  EXPECT_EQ(l.stale(100.0), (std::vector<int>{1}));
+  EXPECT_NE(l.describe(100.0).find("rank 1: closed its watchdog 1.0 s ago (it left training"),
+            std::string::npos) << l.describe(100.0);
 }
 
 TEST(RankLiveness, StaleAndNeverSeenRanks) {

@@ -1,0 +1,251 @@
+"""Ranks for the fault tests (test_faults_*.py), run as separate processes.
+
+    python tests/python/faults_workers.py <case> --out DIR [options]
+
+GPU case ``train`` trains a small MLP through ``pgd.wrap(..., replay_timeout=T)``
+on NCCL; rank ``--fault-rank`` injects ``--fault`` at ``--fault-step``:
+
+  kill    SIGKILL itself
+  stop    SIGSTOP itself (frozen: alive to the OS, silent to everyone)
+  leave   leave the training loop and sleep (alive, its watchdog still beating)
+  raise   raise an exception (exits 1 through the normal error path)
+  none    no fault
+
+The other ranks train on (up to ``--steps``): they must be ended by the replay
+watchdog (exit 70) or, with ``--graphs 0``, by NCCL's own timeout. Each rank
+writes DIR/rank<R>.json at start (pid) and, for the faulty rank, the wall time
+of the fault just before injecting it.
+
+CPU cases exercise the native watchdog without CUDA (host replays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def _write(out: str, who: int, **fields) -> None:
+    path = Path(out, f"rank{who}.json")
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.update(fields)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+# ----------------------------------------------------------------- GPU
+class MLP(nn.Module):
+    def __init__(self, width: int = 256, depth: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.GELU()]
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.head(self.body(x)), y)
+
+
+def train(args) -> None:
+    import pygraph_dist as pgd
+
+    pgd.init(timeout=datetime.timedelta(seconds=args.nccl_timeout))
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    _write(args.out, rank, pid=os.getpid(), rank=rank, started=time.time())
+    # CPU only to smoke-test the fault harness itself; the tests need CUDA.
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    torch.manual_seed(0)
+    base = MLP().to(dev)
+    opt = torch.optim.AdamW(base.parameters(), lr=1e-3)
+    # select=False: keep the graph whatever the timings, so that the fault
+    # always meets a replayed iteration (graphs=0 trains eagerly instead).
+    model, opt = pgd.wrap(base, opt, replay_timeout=args.replay_timeout, graphs=bool(args.graphs),
+                          select=False)
+    if args.python_watchdog:
+        # Diagnostics: the Python-thread watchdog alongside the native one,
+        # with a shorter timeout. If it fires first, Python could run; if the
+        # native one fires, its stack dump shows where each thread was.
+        from pygraph_dist.watchdog import ReplayWatchdog
+
+        py_wd = ReplayWatchdog(args.python_watchdog, native=False, every=1)
+        native_after = model.engine.watchdog.after_replay
+
+        def both(label, *a, **kw):
+            native_after(label, *a, **kw)
+            py_wd.after_replay(label)
+
+        model.engine.watchdog.after_replay = both
+    g = torch.Generator(device=dev).manual_seed(rank)
+    x = torch.randn(64, 256, device=dev, generator=g)
+    y = torch.randint(0, 10, (64,), device=dev, generator=g)
+    faulty = rank == args.fault_rank and args.fault != "none"
+    for step in range(args.steps):
+        if faulty and step == args.fault_step:
+            _write(args.out, rank, fault=args.fault, fault_time=time.time(), fault_step=step)
+            print(f"faults_workers: rank {rank} injects '{args.fault}' at step {step}", flush=True)
+            if args.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif args.fault == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif args.fault == "leave":
+                time.sleep(args.leave_sleep)
+                return
+            elif args.fault == "raise":
+                raise RuntimeError(f"faults_workers: rank {rank} raises at step {step}")
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        # Progress lines sync the host (.item()); none after the fault step, so
+        # that the survivor keeps launching until the launch queue is full, as
+        # in the hang seen on 2xH200 (main thread blocked inside a launch).
+        if step % 50 == 0 and step < args.fault_step:
+            replays = pgd.report().models[0].replays if args.graphs else 0
+            print(f"faults_workers: rank {rank} step {step} loss {loss.detach().item():.4f} replays {replays}",
+                  flush=True)
+    _write(args.out, rank, finished=True)
+    pgd.shutdown()
+
+
+# ----------------------------------------------------------------- CPU
+def native_gil_held(args) -> None:
+    """A pending host replay that never completes, while the main thread blocks
+    with the GIL held: the native watchdog must still fire, report, dump the
+    Python stacks and exit with code 70."""
+    from pygraph_dist._ext import C
+
+    wd = C.ReplayWatchdog(args.replay_timeout, context="rank 0 of 1 (gil test)")
+    wd.arm_host("[(64, 256) float32] at iteration 212", "all_reduce float32 x 68362")
+    _write(args.out, 0, armed_at=time.time(), pid=os.getpid())
+    print("faults_workers: blocking with the GIL held", flush=True)
+    C._hold_gil_for_test(120.0)
+    print("faults_workers: NOT REACHED", flush=True)
+
+
+def native_completes(args) -> None:
+    """Host replays armed and completed for a while: the watchdog must not fire,
+    and close() must return promptly."""
+    from pygraph_dist._ext import C
+
+    wd = C.ReplayWatchdog(args.replay_timeout, poll_s=0.02)
+    t_end = time.monotonic() + 3 * args.replay_timeout
+    while time.monotonic() < t_end:
+        wd.arm_host("ok", "")
+        time.sleep(0.01)
+        wd.complete_host()
+    deadline = time.monotonic() + 2 * args.replay_timeout
+    while wd.pending and time.monotonic() < deadline:
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    wd.close()
+    _write(args.out, 0, armed=wd.armed, completed=wd.completed, pending=wd.pending,
+           close_s=time.monotonic() - t0)
+
+
+def native_heartbeats(args) -> None:
+    """Two ranks sharing a TCPStore. Rank 0 arms a host replay that never
+    completes; rank 1 starts its watchdog, then does ``--fault``: kill (dies
+    without a word), close (closes its watchdog), alive (keeps beating)."""
+    rank = int(os.environ["RANK"])
+    from pygraph_dist._ext import C
+
+    store = torch.distributed.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0,
+                                       timeout=datetime.timedelta(seconds=30))
+    wd = C.ReplayWatchdog(args.replay_timeout, store=store, rank=rank, world_size=2, heartbeat_s=0.5)
+    _write(args.out, rank, pid=os.getpid())
+    store.set(f"test/ready/{rank}", "1")
+    store.wait([f"test/ready/{1 - rank}"])
+    if rank == 1:
+        wd.arm_host("r", "")
+        wd.complete_host()
+        time.sleep(1.5)  # a few heartbeats
+        if args.fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.fault == "close":
+            wd.close()
+        time.sleep(3 * args.replay_timeout)  # rank 0's watchdog ends the test
+        return
+    time.sleep(1.5)
+    wd.arm_host("[x] at iteration 9", "all_reduce float32 x 10")
+    time.sleep(3 * args.replay_timeout)
+    print("faults_workers: NOT REACHED", flush=True)
+
+
+def mode_capture(args) -> None:
+    """Does the Work of an async all-reduce issued under a TorchFunctionMode
+    hold that mode (in its captured thread-local state)? ``--backend`` picks
+    the wrapped Gloo (``pgd``) or torch's stock one (``gloo``)."""
+    import sys as _sys
+
+    from torch.overrides import TorchFunctionMode
+
+    import pygraph_dist as pgd
+
+    pgd.init(backend="auto" if args.backend == "pgd" else "gloo")
+    import torch.distributed as dist
+
+    class Watching(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    t = torch.ones(1000)
+    # 1. A TorchFunctionMode on the stack (pygraph_dist's LoopMonitor is, during backward).
+    mode = Watching()
+    base = _sys.getrefcount(mode)
+    with mode:
+        work = dist.all_reduce(t, async_op=True)
+    held_mode = _sys.getrefcount(mode) - base  # the Work is alive: what it captured is too
+    work.wait()
+    del work
+    # 2. A Python object in C++ thread-local storage, as torch's backward stashes
+    # contextvars.copy_context() there (torch/autograd/graph.py, _engine_run_backward).
+    obj = object()
+    base = _sys.getrefcount(obj)
+    torch._C._stash_obj_in_tls("pgd-test", obj)
+    work = dist.all_reduce(t, async_op=True)
+    torch._C._remove_obj_from_tls("pgd-test")
+    held_tls = _sys.getrefcount(obj) - base
+    work.wait()
+    del work
+    _write(args.out, dist.get_rank(), held_mode=held_mode, held_tls=held_tls, backend=dist.get_backend())
+    dist.destroy_process_group()
+
+
+CASES = {f.__name__: f for f in (train, native_gil_held, native_completes, native_heartbeats,
+                                 mode_capture)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("case", choices=sorted(CASES))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--fault", default="none", choices=["none", "kill", "stop", "leave", "raise", "close",
+                                                        "alive"])
+    ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--fault-step", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=100_000)
+    ap.add_argument("--replay-timeout", type=float, default=10.0)
+    ap.add_argument("--nccl-timeout", type=float, default=600.0)
+    ap.add_argument("--graphs", type=int, default=1)
+    ap.add_argument("--leave-sleep", type=float, default=120.0)
+    ap.add_argument("--python-watchdog", type=float, default=0.0)
+    ap.add_argument("--backend", default="pgd", choices=["pgd", "gloo"])
+    args = ap.parse_args()
+    CASES[args.case](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The native replay watchdog without a GPU: its threads, report, stack dump and exit.
+
+Host replays (``arm_host``) stand in for CUDA events, so everything but the
+event query runs here: the judge firing while the main thread blocks with the
+GIL held, the report, the Python stacks, exit code 70, and the store
+heartbeats that say which ranks were last seen alive. The GPU side is in
+test_faults_watchdog.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, child_env, free_port
+
+WORKER = Path(__file__).with_name("faults_workers.py")
+
+
+def _start(case: str, out: Path, *args: str, **env: str) -> subprocess.Popen:
+    e = child_env(**env)  # the pygraph_dist this pytest imports: installed, or on PYTHONPATH
+    return subprocess.Popen([sys.executable, str(WORKER), case, "--out", str(out), *args], env=e,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT))
+
+
+def _finish(p: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        pytest.fail(f"did not exit within {timeout} s:\n{out[-4000:]}")
+    return p.returncode, out
+
+
+def test_exit_code_is_documented():
+    from pygraph_dist._ext import C
+    from pygraph_dist.watchdog import EXIT_CODE
+
+    assert EXIT_CODE == C.WATCHDOG_EXIT_CODE == 70
+
+
+def test_python_stack_dumper_is_available():
+    # CPython 3.11 and 3.12 export it; without it the report says so instead.
+    from pygraph_dist._ext import C
+
+    if sys.version_info[:2] in ((3, 11), (3, 12)):
+        assert C.ReplayWatchdog.python_stacks_available()
+
+
+def test_fires_while_the_main_thread_holds_the_gil(tmp_path):
+    timeout = 2.0
+    t0 = time.monotonic()
+    code, out = _finish(_start("native_gil_held", tmp_path, "--replay-timeout", str(timeout)), 60)
+    took = time.monotonic() - t0
+    assert code == 70, out
+    assert "rank 0 of 1 (gil test): graph replay #1 [(64, 256) float32] at iteration 212 has not completed" in out
+    assert "collectives in the graph: all_reduce float32 x 68362" in out
+    assert "exit code 70" in out
+    assert "Python stacks of this process" in out
+    # The main thread's stack shows where it was blocked.
+    assert "in native_gil_held" in out, out
+    assert "NOT REACHED" not in out
+    assert took < 30, f"{took:.1f} s"  # interpreter start + timeout + a poll
+
+
+def test_completed_replays_never_fire_and_close_is_prompt(tmp_path):
+    code, out = _finish(_start("native_completes", tmp_path, "--replay-timeout", "0.5"), 60)
+    assert code == 0, out
+    r = json.loads((tmp_path / "rank0.json").read_text())
+    assert r["armed"] > 20 and r["completed"] == r["armed"] and r["pending"] == 0, r
+    assert r["close_s"] < 1.0, r
+
+
+@pytest.mark.parametrize("fault,needle", [
+    ("kill", "rank 1: last heartbeat"),
+    ("close", "rank 1: closed its watchdog"),
+    ("alive", "running but not replaying"),
+])
+def test_heartbeats_say_which_ranks_were_last_seen_alive(tmp_path, fault, needle):
+    port = str(free_port())
+    procs = [_start("native_heartbeats", tmp_path, "--replay-timeout", "4", "--fault", fault,
+                    RANK=str(r), MASTER_PORT=port) for r in range(2)]
+    try:
+        code, out = _finish(procs[0], 60)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert code == 70, out
+    assert "other ranks, by their watchdog heartbeats in the store" in out, out
+    assert needle in out, out
+    if fault == "kill":
+        assert "(NOT ALIVE)" in out, out
+    if fault == "alive":
+        assert "rank 1: last heartbeat" in out and "(alive)" in out, out
+
+
+def test_python_wrapper_disabled_and_lazy():
+    from pygraph_dist.watchdog import ReplayWatchdog
+
+    off = ReplayWatchdog(0)
+    assert not off.enabled
+    off.after_replay("x")  # nothing to watch
+    off.replay([])         # nothing to launch
+    off.close()
+    on = ReplayWatchdog(30, native=True, store=None)
+    assert on.enabled and on._native is None  # threads start at the first replay
+    on.close()
+    on.close()  # idempotent
+
+
+def test_std_terminate_names_the_thread():
+    # Issue 13, item 4: an abort at exit must say which thread and where.
+    code = ("import torch\nfrom pygraph_dist._ext import C\nC._terminate_for_test('pt_gloo_runloop')\n")
+    e = child_env(PYTHONFAULTHANDLER="0")
+    p = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60)
+    assert p.returncode in (-6, 134), p.stderr
+    assert "[pygraph_dist] std::terminate in thread 'pt_gloo_runloop'" in p.stderr, p.stderr
+    assert "without an active exception; native stack:" in p.stderr, p.stderr
+    assert "terminate called without an active exception" in p.stderr, p.stderr  # the default line still follows
