@@ -228,14 +228,16 @@ class GraphRunner:
         torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------ replay
-    def launch(self, entry: GraphEntry) -> None:
+    def launch(self, entry: GraphEntry, label: str = "") -> None:
         """Run one captured iteration on the current stream: the graph, or the
-        segments with the eager reductions (and sparse steps) between them."""
-        entry.graph.replay()
+        segments with the eager reductions (and sparse steps) between them.
+        Launches go through the watchdog, which releases the GIL and times them
+        (a launch blocked by a full queue behind a dead peer is a timeout too)."""
+        self.watchdog.replay([entry.graph], label)
         if entry.step_graph is None:
             return
         self.reducer.reduce_eager(entry.eager_buckets, entry.sparse_grads)
-        entry.step_graph.replay()
+        self.watchdog.replay([entry.step_graph], label)
         if self.step.sparse_ids:
             self.step.apply_step(None, part="sparse")
 
@@ -247,8 +249,9 @@ class GraphRunner:
         for p, view in zip(self.reducer.params, self.reducer.views):
             if p.grad is not view and view is not None:
                 p.grad = view  # the user set it to None; the graph writes the view
-        self.launch(entry)
-        self.watchdog.after_replay(f"[{entry.description}] at iteration {iteration}")
+        label = f"[{entry.description}] at iteration {iteration}"
+        self.launch(entry, label)
+        self.watchdog.after_replay(label, collectives=entry.collectives)
         return entry.static_result
 
     # --------------------------------------------------------- selection
