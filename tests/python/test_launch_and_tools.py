@@ -65,7 +65,7 @@ def test_benchmark_harness_smoke(tmp_path):
     pytest.importorskip("matplotlib", reason="the benchmark's plots need matplotlib (setup installs it where pip has an index)")
     p = subprocess.run([sys.executable, "benchmarks/bench_scaling.py", "--workloads", "tiny", "--world-sizes", "1,2",
                         "--conditions", "baseline,jitter", "--iters", "12", "--out-dir", str(tmp_path),
-                        "--name", "smoke", "--timeout", "150"], cwd=ROOT, env=child_env(), capture_output=True,
+                        "--name", "smoke", "--row-timeout", "150"], cwd=ROOT, env=child_env(), capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     result = json.loads((tmp_path / "smoke.json").read_text())
