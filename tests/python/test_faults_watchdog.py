@@ -211,14 +211,13 @@ def _check_watchdog_exit(o: Outcome, *, faulty_note: str | None = None) -> None:
         assert faulty_note in o.output, o.output[-5000:]
 
 
-@pytest.mark.parametrize("fault,note", [
-    ("kill", "rank 1: last heartbeat"),
-    ("stop", "rank 1: last heartbeat"),
-    ("leave", "running but not replaying"),
-    ("raise", "rank 1: closed its watchdog"),
-])
-def test_hand_started_survivor_is_ended_by_the_watchdog(outcomes, fault, note):
-    _check_watchdog_exit(outcomes[f"hand-{fault}"], faulty_note=note)
+@pytest.mark.parametrize("fault", ["kill", "stop", "leave", "raise"])
+def test_hand_started_survivor_is_ended_by_the_watchdog(outcomes, fault):
+    # Which ranks were last seen alive comes from store heartbeats, which are off
+    # by default (PGD_WATCHDOG_HEARTBEATS=1): through the default process group's
+    # store they crashed the survivor (SIGSEGV) on 2xH200. Their report is
+    # tested on CPU with a bare TCPStore (test_faults_native_watchdog.py).
+    _check_watchdog_exit(outcomes[f"hand-{fault}"])
 
 
 @pytest.mark.parametrize("fault", ["stop", "leave"])
@@ -246,7 +245,8 @@ def test_eager_collectives_keep_nccls_own_timeout(outcomes, fault):
     assert not o.error, f"{o.error}\n{o.output[-5000:]}"
     # PGNCCL may spend a while on its Flight Recorder dump before aborting:
     # the point is that its timeout applies at all, not how fast it ends.
-    assert o.survivor_exit_after_fault is not None and o.survivor_exit_after_fault <= NCCL_TIMEOUT + 60, (
+    # Measured on 2xH200: 70.1-70.2 s after the fault with a 10 s timeout.
+    assert o.survivor_exit_after_fault is not None and o.survivor_exit_after_fault <= NCCL_TIMEOUT + 90, (
         f"{o.survivor_exit_after_fault} s\n{o.output[-5000:]}")
     assert o.survivor_code not in (0, 70, None), f"exit {o.survivor_code}\n{o.output[-5000:]}"
     assert "[pygraph_dist watchdog]" not in o.output
