@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import pygraph_dist as pgd  # noqa: E402
-from workers import MLP, data, flat_params  # noqa: E402
+from common import MLP, data, flat_params  # noqa: E402
 
 
 def main() -> None:
