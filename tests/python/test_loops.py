@@ -11,6 +11,7 @@ any difference is the wrapper's. The case functions run in each rank
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import pygraph_dist as pgd
+from common import device, flat_params
 
 LOOPS = ["readme", "outside", "outside_acc", "accum4", "accum4_nosync", "accum_ends_early", "clip",
          "scaler", "two_losses", "dict", "tuple", "hf"]
@@ -110,7 +112,7 @@ def train(model, opt, loop, steps, rank, dev, *, scheduler=None, scaler=None, au
             for i in range(k):
                 xs, ys = x[4 * i:4 * i + 4], y[4 * i:4 * i + 4]
                 sync = loop != "accum4_nosync" or i == k - 1
-                ctx = model.no_sync() if not sync else _null()
+                ctx = model.no_sync() if not sync else contextlib.nullcontext()
                 with ctx:
                     with amp:
                         loss = model(xs, ys) / k
@@ -159,14 +161,6 @@ def train(model, opt, loop, steps, rank, dev, *, scheduler=None, scaler=None, au
     return log
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _model_for(loop):
     if loop in ("accum4", "accum4_nosync", "accum_ends_early"):
         return WithLoss
@@ -179,16 +173,12 @@ def _optimizer(params, name):
     return torch.optim.AdamW(params, lr=1e-2)
 
 
-def flat(model):
-    return torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()])
-
-
 # ------------------------------------------------------------------- cases
 def loop_vs_ddp(loop="readme", optimizer="adamw", steps=6, scheduler=0, amp="fp32", graphs=1):
     """Rank body: ``loop`` through pgd.wrap() (graphs on or off) and through DDP."""
     pgd.init()
     rank = dist.get_rank()
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = device()
     torch.manual_seed(0)
     base = _model_for(loop)().to(dev)
     ref_model = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
@@ -211,7 +201,7 @@ def loop_vs_ddp(loop="readme", optimizer="adamw", steps=6, scheduler=0, amp="fp3
         for g in ref_opt.param_groups:
             g["capturable"] = True
             g["lr"] = torch.tensor(g["lr"], device=dev)
-    initial = flat(base)
+    initial = flat_params(base)
     ref_log = run(ref_model, ref_opt, False)
 
     model, opt = pgd.wrap(base, _optimizer(base.parameters(), optimizer), graphs=bool(graphs),
@@ -220,9 +210,9 @@ def loop_vs_ddp(loop="readme", optimizer="adamw", steps=6, scheduler=0, amp="fp3
     rep = pgd.report().models[-1]
     return {
         "loop": loop,
-        "max_param_diff": float((flat(model.module) - flat(ref_model.module)).abs().max()),
-        "moved": float((flat(model.module) - initial).abs().max()),
-        "params": flat(model.module).tolist() if dev.type == "cuda" else [],
+        "max_param_diff": float((flat_params(model.module) - flat_params(ref_model.module)).abs().max()),
+        "moved": float((flat_params(model.module) - initial).abs().max()),
+        "params": flat_params(model.module).tolist() if dev.type == "cuda" else [],
         "log": log,
         "ref_log": ref_log,
         "tiers": [g.tier for g in rep.graphs],
@@ -233,10 +223,9 @@ def loop_vs_ddp(loop="readme", optimizer="adamw", steps=6, scheduler=0, amp="fp3
     }
 
 
-def _tolerance(loop):
-    # Accumulation without no_sync: DDP and pgd both reduce every backward; the
-    # sums are the same arithmetic. Everything is fp32 on the CPU.
-    return 1e-5
+# On the CPU everything is fp32, and accumulation without no_sync reduces every
+# backward in both DDP and pgd: the same arithmetic up to rounding.
+CPU_TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -245,7 +234,7 @@ def test_every_loop_trains_like_ddp_on_cpu(ranks, loop):
     for r in ranks("test_loops:loop_vs_ddp", timeout=240,
                    kwargs={"loop": loop, "optimizer": optimizer, "scheduler": int(loop == "outside")}):
         assert r["moved"] > 1e-3, "the loop did not train"
-        assert r["max_param_diff"] < _tolerance(loop), (loop, r["max_param_diff"], r["report"])
+        assert r["max_param_diff"] < CPU_TOLERANCE, (loop, r["max_param_diff"], r["report"])
         got = [x[0] if isinstance(x, list) else x for x in r["log"]]
         want = [x[0] if isinstance(x, list) else x for x in r["ref_log"]]
         assert got == pytest.approx(want, rel=1e-4, abs=1e-6), (loop, got, want)

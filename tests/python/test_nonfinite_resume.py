@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import pygraph_dist as pgd
+from common import device, flat_params
 
 
 class Net(nn.Module):
@@ -24,10 +25,6 @@ class Net(nn.Module):
         return F.cross_entropy(self.net(x), y)
 
 
-def _dev():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def _batch(step, rank, dev, bad=False):
     g = torch.Generator().manual_seed(100 * rank + step)
     x = torch.randn(32, 64, generator=g)
@@ -36,15 +33,11 @@ def _batch(step, rank, dev, bad=False):
     return x.to(dev), torch.randint(0, 5, (32,), generator=g).to(dev)
 
 
-def _flat(m):
-    return torch.cat([p.detach().float().reshape(-1).cpu() for p in m.parameters()])
-
-
 def nonfinite(steps=30, bad_step=20, amp="fp32"):
     """Rank body: an inf in rank 1's input at ``bad_step`` (skipped on every
     rank), against a run that never sees that batch."""
     pgd.init()
-    rank, dev = dist.get_rank(), _dev()
+    rank, dev = dist.get_rank(), device()
     amp = None if amp == "fp32" else amp
 
     def run(skip_batch):
@@ -64,8 +57,8 @@ def nonfinite(steps=30, bad_step=20, amp="fp32"):
     skipped_run, rep = run(False)
     clean_run, clean_rep = run(True)
     return {
-        "bitwise": bool(torch.equal(_flat(skipped_run), _flat(clean_run))),
-        "finite": bool(torch.isfinite(_flat(skipped_run)).all()),
+        "bitwise": bool(torch.equal(flat_params(skipped_run), flat_params(clean_run))),
+        "finite": bool(torch.isfinite(flat_params(skipped_run)).all()),
         "skipped": rep.skipped_steps,
         "clean_skipped": clean_rep.skipped_steps,
         "replays": rep.replays,
@@ -77,7 +70,7 @@ def resume(phase="full", n=20, m=20, amp="fp32", path=""):
     """Rank body: ``full`` trains n+m steps; ``first`` trains n and saves;
     ``resume`` loads in a new process and trains m more."""
     pgd.init()
-    rank, dev = dist.get_rank(), _dev()
+    rank, dev = dist.get_rank(), device()
     amp = None if amp == "fp32" else amp
     torch.manual_seed(0)
     base = Net().to(dev)
@@ -103,7 +96,7 @@ def resume(phase="full", n=20, m=20, amp="fp32", path=""):
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                     "scheduler": sched.state_dict(), "step": end}, ckpt)
     rep = pgd.report().models[-1]
-    return {"params": _flat(base).tolist(), "replays": rep.replays}
+    return {"params": flat_params(base).tolist(), "replays": rep.replays}
 
 
 def bad_input():
