@@ -51,6 +51,16 @@ class LoopState:
         self.returned_loss: torch.Tensor | None = None
         self.probe_done = False
         self.verdict: str | None = None  # why the loop cannot be graphed, once agreed
+        # Tier 2 (agreed during the probe): why the whole iteration cannot be one
+        # graph, while forward/backward graphs with the user's code between them can.
+        self.split_reason: str = ""
+        self.saw_no_sync = False  # a probe step called the model inside no_sync()
+        self.backward_seen = False  # backward() called since the last model call
+        # Probe: autograd nodes of the outputs handed out this step, and the
+        # model's parameters, to tell whether the user's loss reaches
+        # parameters other than through the model call (tier 2 could not).
+        self.output_nodes: set = set()
+        self.param_ids: set[int] = set()
         self.monitor = LoopMonitor(self, owned_storages) if monitor else None
 
     @property
@@ -58,18 +68,19 @@ class LoopState:
         return self.mode is Mode.OWNED
 
     # ---------------------------------------------------------- the rule
-    def violation(self, what: str, fix: str, *, defer: bool = False) -> None:
+    def violation(self, what: str, fix: str, *, defer: bool = False, split_ok: bool = False) -> None:
         """A deviation from a loop a graph can replay: recorded while the loop
         runs as written (probe), raised once graphs run the iteration.
 
         ``defer``: record it even then, to be raised at ``optimizer.step()``
         (for calls seen inside the monitor's own handler, where the mode
-        cannot be popped)."""
+        cannot be popped). ``split_ok``: tier 2 (forward and backward graphs,
+        the user's code between them) still honours it."""
         if self.owned and not defer:
             self.stop()
             raise LoopConformanceError(f"{what} at {user_location()}, after graphs were captured. {fix}")
         if self.monitor is not None and self.monitor.active:
-            self.monitor.record(what, fix)
+            self.monitor.record(what, fix, split_ok=split_ok)
 
     def watch(self, window: str) -> None:
         """Start (or move) the monitor's window over the user's code."""
@@ -84,20 +95,29 @@ class LoopState:
         """Before a training call of the model: in a graphed loop, a step must
         have ended the last one, outside ``no_sync()``."""
         if self.stage is not Stage.IDLE:
+            several = self.stage is Stage.FORWARD and not self.backward_seen
             self.violation(
+                "the wrapped model was called again before backward() of the previous call's "
+                "outputs (several forward passes into one loss)" if several else
                 "the wrapped model was called again before optimizer.step() (gradient "
                 "accumulation, or a second forward pass in one training step)",
                 "Each graph replay is one full optimizer step: use one model call per "
                 "optimizer.step(), or wrap(..., graphs=False)." if self.owned else
+                "Graphs replay one forward pass at a time; this loop trains eagerly, as written."
+                if several else
                 "One model call per optimizer.step() can be graphed as one iteration; accumulation "
-                "trains eagerly, as written.",
+                "is graphed per micro-batch (tier 2).",
+                split_ok=not several,
             )
         if in_no_sync:
+            self.saw_no_sync = True
             self.violation(
                 "the model was called inside model.no_sync() (gradient accumulation without "
                 "reduction)",
-                "A graphed iteration always reduces gradients; accumulation trains eagerly, as "
-                "written." if not self.owned else "Change the loop back, or wrap(..., graphs=False).",
+                "A whole-iteration graph always reduces gradients; accumulation is graphed per "
+                "micro-batch (tier 2)." if not self.owned else
+                "Change the loop back, or wrap(..., graphs=False).",
+                split_ok=True,
             )
 
     def user_forward(self, *, probe: bool, grads_present: bool) -> None:
@@ -115,13 +135,23 @@ class LoopState:
         """The model call returned; ``loss`` is the loss among its outputs, or None."""
         self.returned_loss = loss
         self.stage = Stage.FORWARD
+        self.backward_seen = False
         if watch:
             self.watch(AFTER_CALL)
 
     def backward_called(self, target, kwargs: dict) -> bool:
         """A ``backward()`` in the user's window; returns whether it should run."""
+        self.backward_seen = True
         if isinstance(target, (list, tuple)) and len(target) == 1:
             target = target[0]
+        if target is not self.returned_loss and self.output_nodes and self.reaches_params(target):
+            self.violation(
+                "the loss's backward reaches model parameters directly, not only through the "
+                "outputs of the model call (for example a regulariser over model.parameters() "
+                "computed outside the model)",
+                "Graphs hold the model's backward; compute that term inside the module's forward "
+                "(or loss_fn=...) to have the loop graphed.",
+            )
         extra = any(kwargs.get(k) is not None for k in ("gradient", "grad_tensors", "inputs")) or bool(
             kwargs.get("create_graph"))
         expected = target is self.returned_loss and not extra and self.stage is Stage.FORWARD
@@ -132,6 +162,7 @@ class LoopState:
                 "A whole-iteration graph needs the loss inside the model call: return it from the "
                 "module (or an output with .loss), or pass wrap(..., loss_fn=...) and call "
                 "model(*inputs, target).",
+                split_ok=not extra,
             )
         elif not expected:
             self.violation(
@@ -142,6 +173,7 @@ class LoopState:
                 else "backward() was called twice in one training step",
                 "A graph applies the backward of the returned loss. Compute the full loss inside "
                 "the model or loss_fn=..., and use amp='fp16' instead of your own GradScaler.",
+                split_ok=not extra,
             )
         if self.monitor is not None:
             self.monitor.set_window(AFTER_BACKWARD)
@@ -149,6 +181,22 @@ class LoopState:
             self.stage = Stage.BACKWARD
             return False  # the graph (or the owned iteration) already ran it
         return True
+
+    def reaches_params(self, target) -> bool:
+        """Whether ``target``'s autograd graph reaches a model parameter without
+        passing through an output of a model call (probe only: a graph walk)."""
+        stack = [getattr(target, "grad_fn", None)] if isinstance(target, torch.Tensor) else []
+        seen: set = set()
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen or fn in self.output_nodes:
+                continue
+            seen.add(fn)
+            var = getattr(fn, "variable", None)
+            if var is not None and id(var) in self.param_ids:
+                return True
+            stack.extend(n for n, _ in fn.next_functions)
+        return False
 
     def backward_finished(self) -> None:
         """End of an autograd backward that reduced gradients (the user's)."""
@@ -173,6 +221,7 @@ class LoopState:
             )
         self.stage = Stage.IDLE
         self.zeroed_since_step = False
+        self.output_nodes = set()
         return seen
 
     def zero_grad_called(self) -> None:

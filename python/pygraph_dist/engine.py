@@ -55,7 +55,8 @@ from .graph_cache import GraphCache, GraphEntry
 from .monitor import storage_ptr, watch_host_syncs
 from .optim import make_graph_aware, prepare_optimizer
 from .reducer import GradientReducer
-from .step import IterationStep, map_outputs
+from .split import SplitGraphs, output_tensors
+from .step import IterationStep, find_loss, map_outputs
 from .watchdog import ReplayWatchdog
 
 logger = logging.getLogger("pygraph_dist")
@@ -122,6 +123,7 @@ class Engine:
         self.fp_backend = graph_safe_backend(self.group, "cuda") if cuda else None
         self.agree_device = self.device if cuda else torch.device("cpu")
         self.loop = LoopState(self.owned_storages, monitor=config.monitor)
+        self.loop.param_ids = {id(p) for p in self.reducer.params}
         timeout = config.replay_timeout
         if timeout is None:
             timeout = _group_timeout_s(self.group)
@@ -133,6 +135,8 @@ class Engine:
                                   group=self.group, agree_device=self.agree_device,
                                   fp_backend=self.fp_backend, watchdog=self.watchdog,
                                   select=config.select, select_margin=config.select_margin)
+        self.split = SplitGraphs(self.runner, self.loop.backward_finished)
+        self._split_step: GraphEntry | None = None  # tier 2: the entry graphed this step
         self.iteration = 0  # optimizer steps begun (model calls that start a step)
         self.require_sync = True  # False inside GraphedModule.no_sync()
         self.opt_state_version = 0
@@ -183,8 +187,15 @@ class Engine:
         self.reducer.finish_pending()
         if self.loop.stage is not Stage.IDLE and not self.loop.owned:
             # Another model call in the same optimizer step (gradient accumulation,
-            # several forwards): the loop runs as written, as with DDP.
+            # several forwards): the loop runs as written, as with DDP, its
+            # forward and backward graphed when this step's first call was (tier 2).
             self.loop.model_called(in_no_sync=not self.require_sync)
+            if self._split_step is not None:
+                leaves, spec = pytree.tree_flatten((args, kwargs))
+                entry = self.cache.find(leaves, spec, self._ambient())
+                out = self._split_forward(entry, leaves) if entry is not None else None
+                if out is not None:
+                    return out
             return self._user_forward(args, kwargs, probe=self._phase == Phase.PROBE)
         self.loop.model_called(in_no_sync=not self.require_sync)
         self.iteration += 1
@@ -204,6 +215,8 @@ class Engine:
 
         if phase in (Phase.PROBE, Phase.EAGER):
             return self._user_forward(args, kwargs, probe=phase == Phase.PROBE)
+        if self.loop.split_reason:
+            return self._split_call(entry, phase, args, kwargs, leaves)
         self.loop.mode = Mode.OWNED
         if phase == Phase.WARMUP:
             if not entry.first_seen_s:
@@ -226,8 +239,13 @@ class Engine:
     def _selecting(self, entry: GraphEntry) -> bool:
         return self.runner.selecting(entry, self.graphs_possible)
 
+    def _ambient(self) -> tuple:
+        """State outside the arguments that a graph bakes in: the caller's autocast."""
+        kind = self.device.type
+        return (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+
     def _entry_for(self, leaves: list, spec) -> GraphEntry:
-        entry, new = self.cache.lookup(leaves, spec)
+        entry, new = self.cache.lookup(leaves, spec, self._ambient())
         if not new:
             return entry
         probe = 0 if self.loop.probe_done else max(1, self.config.probe)
@@ -250,6 +268,62 @@ class Engine:
             entry.policy.disable(self.graphs_reason)
         return entry
 
+    # ---------------------------------------------------------------- tier 2
+    def _split_call(self, entry: GraphEntry, phase, args, kwargs, leaves):
+        """A step's first model call in a tier-2 loop: warm up eagerly, capture
+        the forward/backward/step graphs, or replay the forward graph."""
+        if phase == Phase.WARMUP:
+            if not entry.first_seen_s:
+                entry.first_seen_s = time.perf_counter()
+            entry.warmups += 1
+            return self._user_forward(args, kwargs, probe=False)
+        if phase == Phase.CAPTURE:
+            if self.reducer.eager_buckets:
+                entry.policy.disable("tier 2 keeps every gradient bucket in the graph; buckets "
+                                     f"{list(self.reducer.eager_buckets)} are reduced eagerly "
+                                     "(sparse gradients or eager_params)")
+                return self._user_forward(args, kwargs, probe=False)
+            if any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
+                entry.policy.disable("an input of the model call requires grad; tier 2's backward "
+                                     "graph computes parameter gradients only")
+                return self._user_forward(args, kwargs, probe=False)
+            ok = self.split.capture(entry, args, kwargs, iteration=self.iteration,
+                                    state_version=self.opt_state_version,
+                                    no_sync_variant=self.loop.saw_no_sync)
+            if not ok:
+                return self._user_forward(args, kwargs, probe=False)
+        out = self._split_forward(entry, leaves)
+        return out if out is not None else self._user_forward(args, kwargs, probe=False)
+
+    def _split_forward(self, entry: GraphEntry, leaves: list):
+        """Replay ``entry``'s forward graph for this call, or None when it has
+        no graph for it (not tier 2, released, or no variant for no_sync())."""
+        sync = self.require_sync
+        if entry.tier != 2 or not entry.live or sync not in entry.bwd_graphs:
+            return None
+        self.loop.mode = Mode.USER
+        out = self.split.forward(entry, leaves, sync=sync,
+                                 label=f"[{entry.description}] at iteration {self.iteration}")
+        self._split_step = entry
+        self.loop.handed_out(find_loss(out), watch=False)
+        return out
+
+    def _split_step_now(self, entry: GraphEntry, closure) -> bool:
+        """``optimizer.step()`` after forward graphs: replay the step graph, unless
+        the step is not the one captured (then the caller steps eagerly)."""
+        if closure is not None or not entry.live or entry.tier != 2:
+            return False
+        if getattr(self.optimizer, "grad_scale", None) is not None or \
+                getattr(self.optimizer, "found_inf", None) is not None:
+            return False  # a GradScaler hands this step its scale and inf flag: eager
+        drift = self.cache.drift(entry, self.reducer.params, self.optimizer,
+                                 self.opt_plan.lr_tensors, self.opt_state_version)
+        if drift:
+            self.cache.invalidate(entry, self.iteration, drift)
+            return False
+        self.split.replay_step(entry, f"[{entry.description}] step at iteration {self.iteration}")
+        return True
+
     def _user_forward(self, args, kwargs, *, probe: bool):
         """Forward as written; the user's backward() and step() do the rest.
         Returns what the module returns."""
@@ -271,6 +345,8 @@ class Engine:
                 loss = scaled
             else:
                 out = map_outputs(out, lambda t: self.step.scaled(t) if t.requires_grad else t)
+        if probe:
+            self.loop.output_nodes |= {t.grad_fn for t in output_tensors(out) if t.grad_fn is not None}
         self.loop.handed_out(loss, watch=probe)
         return out
 
@@ -297,6 +373,9 @@ class Engine:
         seen = self.loop.step_called(closure, probe=probe)
         if owned:
             return None  # the graph (or the owned iteration) already stepped
+        split, self._split_step = self._split_step, None
+        if split is not None and self._split_step_now(split, closure):
+            return None
         self.reducer.finish_pending()
         with self.step.on_compute_stream():
             result = self.step.apply_step(closure)
@@ -320,6 +399,26 @@ class Engine:
             device=self.agree_device,
         )
         if not verdict.agreed:
+            # Not one graph per iteration. Tier 2 if every rank's deviations
+            # are ones forward/backward graphs with the user's code between them
+            # still run as written (every rank takes this branch alike).
+            blocking = [v for v in unique if not v.split_ok]
+            split = agreement.agree(
+                ok=not blocking, reason="; ".join(str(v) for v in blocking),
+                digests=[], group=self.group, device=self.agree_device,
+            )
+            if split.agreed and self.graphs_possible:
+                if not self.loop.split_reason and self.rank == 0:
+                    logger.info("graphed per micro-batch (tier 2: forward and backward graphs, "
+                                "your code between them, the step graph at optimizer.step()). "
+                                "One graph per iteration (tier 1) would need: %s", verdict.reason)
+                self.loop.split_reason = verdict.reason
+                if entry.policy.phase != Phase.PROBE:
+                    self.loop.probe_done = True
+                return
+            self.loop.split_reason = ""
+            if not split.agreed:
+                verdict = split
             self.loop.verdict = verdict.reason
             entry.policy.conformance_failed(verdict.reason)
             self.cache.event(entry, self.iteration, "loop not graphable", verdict.reason)
@@ -356,6 +455,9 @@ class Engine:
 
         if self.loop.verdict:
             loop = f"not graphable: {self.loop.verdict}"
+        elif self.loop.probe_done and self.loop.split_reason:
+            loop = (f"graphed per micro-batch (tier 2); one graph per iteration (tier 1) would "
+                    f"need: {self.loop.split_reason}")
         elif self.loop.probe_done:
             loop = f"conforms (checked over {self.config.probe} probe iterations)"
         else:

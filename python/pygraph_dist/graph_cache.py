@@ -46,9 +46,19 @@ class GraphEntry:
     key: tuple
     description: str
     policy: Any  # C.CapturePolicy
-    # The captured graphs: the whole iteration, or forward+backward and the step.
+    # The captured graphs. Tier 1: the whole iteration, or forward+backward and
+    # the step. Tier 2 (split.py): graph is the forward, bwd_graphs the backward
+    # (by sync: with and without the all-reduces), step_graph the step.
+    tier: int = 1
     graph: torch.cuda.CUDAGraph | None = None
     step_graph: torch.cuda.CUDAGraph | None = None
+    bwd_graphs: dict = field(default_factory=dict)
+    out_template: Any = None  # tier 2: the static outputs, in the module's structure
+    static_outs: list = field(default_factory=list)
+    diff_mask: list = field(default_factory=list)
+    roots: list = field(default_factory=list)
+    static_grads: list = field(default_factory=list)
+    last_call: Any = None  # tier 2: the latest replay of the forward graph
     eager_buckets: tuple = ()  # buckets reduced eagerly between the two graphs
     sparse_grads: dict = field(default_factory=dict)  # param index -> captured local sparse grad
     # Static inputs and output the graphs read and write.
@@ -82,6 +92,10 @@ class GraphEntry:
         """How the iteration is split into graphs, for report() and the log."""
         if self.graph is None and self.step_graph is None:
             return "no graph"
+        if self.tier == 2:
+            variants = " (with and without the all-reduces)" if False in self.bwd_graphs else ""
+            return (f"3 graphs per step: forward and backward{variants} per micro-batch, step at "
+                    "optimizer.step(); your code runs eagerly between them")
         if self.step_graph is None:
             return "1 graph (whole iteration)"
         kinds = [bucket_kinds[b] for b in self.eager_buckets]
@@ -120,10 +134,11 @@ class GraphCache:
             return args, kwargs
         return pad_batch(args, kwargs, self.pad_batch_to, self.pad_value)
 
-    def lookup(self, leaves: list, spec) -> tuple[GraphEntry, bool]:
-        """The entry for this call's signature, and whether it is new."""
+    def lookup(self, leaves: list, spec, extra: tuple = ()) -> tuple[GraphEntry, bool]:
+        """The entry for this call's signature, and whether it is new. ``extra``:
+        ambient state a graph bakes in besides the arguments (autocast)."""
         try:
-            key = (spec, tuple(_leaf_key(x) for x in leaves))
+            key = (spec, tuple(_leaf_key(x) for x in leaves), extra)
             hash(key)
         except TypeError:
             key = ("unhashable", id(self))
@@ -134,6 +149,13 @@ class GraphCache:
         entry = GraphEntry(key=key, description=describe_leaves(leaves), policy=None)
         self.entries[key] = entry
         return entry, True
+
+    def find(self, leaves: list, spec, extra: tuple = ()) -> GraphEntry | None:
+        """The entry for this signature if there is one (nothing is created)."""
+        try:
+            return self.entries.get((spec, tuple(_leaf_key(x) for x in leaves), extra))
+        except TypeError:
+            return None
 
     def latest_static_inputs(self):
         for entry in reversed(self.entries.values()):
@@ -174,8 +196,14 @@ class GraphCache:
     def release(self, entry: GraphEntry) -> None:
         discard(entry.graph)
         discard(entry.step_graph)
+        for g in entry.bwd_graphs.values():
+            discard(g)
         entry.graph = None
         entry.step_graph = None
+        entry.bwd_graphs = {}
+        entry.out_template = None
+        entry.static_outs, entry.roots, entry.static_grads = [], [], []
+        entry.last_call = None
         entry.sparse_grads = {}
         entry.static_result = None
 
@@ -291,6 +319,6 @@ def describe_entries(entries, bucket_kinds: list[str]) -> list:
             capture_ms=e.capture_s * 1e3, setup_s=e.setup_s, pool_mib=e.pool_bytes / 2**20,
             segments=e.segments(bucket_kinds), selection=e.selection,
             eager_ms=e.eager_ms, replay_ms=e.replay_ms, live=e.live,
-            tier="1" if e.live else ("3" if p.phase == Phase.EAGER else ""),
+            tier=str(e.tier) if e.live else ("3" if p.phase == Phase.EAGER else ""),
         ))
     return out

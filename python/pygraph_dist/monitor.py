@@ -84,6 +84,10 @@ class Violation:
     what: str
     where: str
     fix: str
+    # True when tier 2 (forward and backward graphs with the user's code
+    # between them, the step graph at optimizer.step()) still runs the loop
+    # exactly as written; False when only eager training does.
+    split_ok: bool = False
 
     def __str__(self) -> str:
         return f"{self.what} at {self.where}. {self.fix}"
@@ -158,8 +162,8 @@ class LoopMonitor(TorchFunctionMode):
         out, self.violations = self.violations, []
         return out
 
-    def record(self, what: str, fix: str) -> None:
-        self.violations.append(Violation(what, user_location(), fix))
+    def record(self, what: str, fix: str, *, split_ok: bool = False) -> None:
+        self.violations.append(Violation(what, user_location(), fix, split_ok))
 
     # ---------------------------------------------------------------- mode
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -190,6 +194,7 @@ class LoopMonitor(TorchFunctionMode):
                         f"learning rate {self.window}",
                         self._fix_for(name),
                         defer=True,
+                        split_ok=True,  # tier 2 runs it eagerly, where it is written
                     )
                     break
         return func(*args, **kwargs)

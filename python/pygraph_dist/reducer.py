@@ -142,6 +142,9 @@ class GradientReducer:
         # buckets are then left for reduce_eager() between the graphs.
         self.defer_eager = False
         self.on_finalize = None  # called after each completed reduction round
+        # Set while a tier-2 backward graph owns this backward pass: a gradient
+        # reaching a parameter live would bypass the graph's reduction.
+        self.outside_grad_error: str | None = None
         self.rounds = 0  # completed backward passes
         self.last_unused: frozenset[str] = frozenset()  # params without a gradient, last round
         self._reset_round()
@@ -201,6 +204,10 @@ class GradientReducer:
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         if not self.enabled:
             return
+        if self.outside_grad_error is not None:
+            from .split import OutsideGradientError
+
+            raise OutsideGradientError(self.outside_grad_error)
         if not self._finalize_queued:
             Variable._execution_engine.queue_callback(self._finalize)
             self._finalize_queued = True

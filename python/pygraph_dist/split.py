@@ -1,0 +1,347 @@
+"""Tier 2: the loop's own code between graphs.
+
+When the probe finds a loop that a whole-iteration graph cannot replay but
+that keeps the shape "model calls, backward, optimizer step" — the loss
+computed outside the model, ``loss / k`` and gradient accumulation (with or
+without ``no_sync()``), sums of losses, ``clip_grad_norm_`` or a GradScaler
+between ``backward()`` and ``step()``, ``.item()`` logging — each micro-batch
+gets graphs of its own and the user's code runs eagerly between them:
+
+* a **forward graph** (static inputs -> static outputs, buffers broadcast as
+  in tier 1) replayed at the model call; the call returns fresh copies of the
+  outputs, attached to autograd through :class:`_GraphedCall`;
+* a **backward graph** replayed by ``_GraphedCall.backward`` when the user's
+  ``backward()`` reaches the outputs: it copies the incoming output gradients
+  into static buffers and replays ``autograd.backward`` of the static
+  outputs, which accumulates straight into the persistent ``.grad`` buffers
+  (views of the reducer's buckets) with the bucket all-reduces inside,
+  overlapped as in tier 1. Micro-batches called inside ``no_sync()`` replay
+  a variant without the all-reduces. No per-parameter work leaves the graph;
+* a **step graph** (clipping if configured, the optimizer step, fp16's
+  scaler update) replayed at ``optimizer.step()``.
+
+Gradients, as eager training computes them: the first synchronised backward
+after ``zero_grad(set_to_none=True)`` replays a variant captured with every
+``.grad`` None, so autograd hands each gradient over and the reducer scales it
+into its bucket view (the kernels of an eager backward, no zeroing pass); any
+other backward accumulates into the bucket views (a ``.grad`` the user set to
+None becomes its zeroed view first, 0 + g == g). Either way tier 2 is bitwise
+equal to ``graphs=False``. The forward graph's saved activations stay
+allocated for as long as the graphs live (the backward graphs read them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.utils._pytree as pytree
+from torch.autograd import Variable
+
+from . import agreement
+from ._ext import C
+from .capture import _bucket_error, describe_capture_error, varying_paths
+from .graph_cache import GraphEntry, discard
+from .optim import snapshot_hyperparams
+from .step import map_outputs
+
+logger = logging.getLogger("pygraph_dist")
+
+
+class OutsideGradientError(RuntimeError):
+    """The user's backward reached parameters outside a graphed model call."""
+
+
+def output_tensors(out) -> list[torch.Tensor]:
+    """The tensors of a model call's outputs, in :func:`map_outputs` order."""
+    found: list[torch.Tensor] = []
+    map_outputs(out, lambda t: found.append(t) or t)
+    return found
+
+
+class _GraphedCall(torch.autograd.Function):
+    """Fresh copies of a forward graph's outputs whose backward replays the
+    backward graph. ``dummy`` (a 0-dim leaf requiring grad) makes autograd
+    record the node; it never receives a gradient."""
+
+    @staticmethod
+    def forward(ctx, call, dummy):  # noqa: ARG004 - dummy only connects the node
+        ctx.call = call
+        outs = tuple(t.detach().clone() for t in call.entry.static_outs)
+        frozen = [o for o, d in zip(outs, call.entry.diff_mask) if not d]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.call.backward(grads)
+        return None, None
+
+
+class _Call:
+    """One replayed micro-batch: which backward graph its backward replays."""
+
+    __slots__ = ("split", "entry", "sync", "label", "stream", "done")
+
+    def __init__(self, split: SplitGraphs, entry: GraphEntry, sync: bool, label: str) -> None:
+        self.split, self.entry, self.sync, self.label = split, entry, sync, label
+        self.stream = torch.cuda.current_stream()
+        self.done = False
+
+    def backward(self, grads) -> None:
+        self.split.backward(self, grads)
+
+
+class SplitGraphs:
+    """Capture and replay of tier 2's forward, backward and step graphs."""
+
+    def __init__(self, runner, on_backward_finished) -> None:
+        self.runner = runner  # the GraphRunner: step, reducer, cache, watchdog, agreement
+        self.on_backward_finished = on_backward_finished
+        self.dummy = None
+        self.graph_round = False  # a backward graph ran in the current autograd backward
+
+    @property
+    def step(self):
+        return self.runner.step
+
+    @property
+    def reducer(self):
+        return self.runner.reducer
+
+    # ------------------------------------------------------------ gradients
+    def attach_grads(self) -> None:
+        """Every gradient becomes its bucket view again; a gradient that was
+        None is zero (what accumulating into a fresh gradient computes), one
+        the user replaced is copied into the view."""
+        params, views = self.reducer.params, self.reducer.views
+        missing = [i for i, (p, v) in enumerate(zip(params, views)) if p.grad is not v]
+        if not missing:
+            return
+        if len(missing) == len(params):
+            if all(params[i].grad is None for i in missing):
+                torch._foreach_zero_([b for b in self.reducer.buffers if b is not None])
+                for p, v in zip(params, views):
+                    p.grad = v
+                return
+        for i in missing:
+            p, v = params[i], views[i]
+            if p.grad is None:
+                v.zero_()
+            else:
+                v.copy_(p.grad)
+            p.grad = v
+
+    # -------------------------------------------------------------- capture
+    def capture(self, entry: GraphEntry, args, kwargs, *, iteration: int, state_version: int,
+                no_sync_variant: bool) -> bool:
+        """Capture the forward, backward (one or two variants) and step graphs
+        for ``entry`` and agree on them. Returns whether they are live; on
+        False every rank runs this micro-batch eagerly."""
+        runner, step, reducer = self.runner, self.step, self.reducer
+        device = step.device
+        static = pytree.tree_map(step.static_copy, step.to_device(args, kwargs))
+        entry.static = static
+        entry.static_leaves = pytree.tree_leaves(static)
+        torch.cuda.synchronize(device)
+        generator = torch.cuda.default_generators[device.index or 0]
+        rng_snapshot = generator.clone_state()
+        pool = runner.cache.pool_for_capture()
+        torch.cuda.empty_cache()
+        if self.dummy is None:
+            self.dummy = torch.zeros((), device=device, requires_grad=True)
+        with torch.no_grad():
+            self.attach_grads()  # so that the backward graph accumulates into the views
+        graphs: dict = {}
+        fwd = torch.cuda.CUDAGraph()
+        if runner.fp_backend is not None:
+            runner.fp_backend.start_recording()
+        reserved0 = torch.cuda.memory_reserved(device)
+        t0 = time.perf_counter()
+        error: BaseException | None = None
+
+        def capturing(g):
+            return torch.cuda.graph(g, pool=pool, stream=step.stream, capture_error_mode="thread_local")
+
+        try:
+            with capturing(fwd):
+                args_, kwargs_ = static
+                loss, out = step.forward(args_, kwargs_, sync=True, need_loss=False)
+            tensors = output_tensors(out)
+            diff = [t.requires_grad for t in tensors]
+            if not any(diff):
+                raise RuntimeError("no output of the model call requires grad")
+            with torch.cuda.stream(step.stream):
+                static_grads = [torch.zeros_like(t) for t, d in zip(tensors, diff) if d]
+            roots = [t for t, d in zip(tensors, diff) if d]
+            # amp="fp16": the scale multiplies the loss's gradient when the module
+            # returns a loss, every output's otherwise (as the eager path does).
+            scaled = [loss is None or t is loss for t in roots] if step.grad_scaler is not None else None
+            # "fresh": the first synchronised backward after zero_grad(set_to_none=True),
+            # captured with every .grad None, so that autograd hands each gradient
+            # over (no zeroing, no accumulation pass), exactly as in eager training.
+            # True/False: accumulate into the existing .grad, with/without all-reduce.
+            with torch.no_grad():
+                for p in reducer.params:
+                    p.grad = None
+            for key in ("fresh", *((False, True) if no_sync_variant else (True,))):
+                g = torch.cuda.CUDAGraph()
+                graphs[key] = g
+                reducer.enabled = key is not False
+                if key != "fresh":
+                    with torch.no_grad():
+                        self.attach_grads()
+                with capturing(g):
+                    grads = static_grads
+                    if scaled is not None:
+                        scale = step.grad_scaler._scale  # noqa: SLF001
+                        grads = [s * scale if m else s for s, m in zip(static_grads, scaled)]
+                    torch.autograd.backward(roots, grads, retain_graph=True)
+            step_graph = torch.cuda.CUDAGraph()
+            graphs["step"] = step_graph
+            with capturing(step_graph):
+                step.apply_step(None)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an agreed fallback
+            error = exc
+        finally:
+            reducer.enabled = True
+            fingerprint = runner.fp_backend.stop_recording() if runner.fp_backend is not None else None
+        entry.capture_s = time.perf_counter() - t0
+        if error is not None:
+            reducer.abandon()
+        reason, retryable = describe_capture_error(error)
+        paths = varying_paths(entry.unused_seen) if error is None else ""
+        if paths:
+            reason, retryable = paths, False
+        config_text = runner._config_text(entry) + " split"  # noqa: SLF001
+        verdict = agreement.agree(
+            ok=error is None and not paths, reason=reason,
+            digests=[fingerprint.digest if fingerprint is not None else 0,
+                     agreement.config_digest(config_text)],
+            group=runner.group, device=runner.agree_device,
+            details={"collectives": fingerprint.records() if fingerprint is not None else [],
+                     "config": config_text},
+            explain=agreement.explain_mismatch, retryable=retryable,
+        )
+        if not verdict.agreed:
+            runner._restore_after_failed_capture(generator, rng_snapshot)  # noqa: SLF001
+            discard(fwd)
+            for g in graphs.values():
+                discard(g)
+            if _bucket_error(error) is not None:
+                verdict_reason = f"{verdict.reason} (tier 2 keeps every bucket in the graph)"
+            else:
+                verdict_reason = verdict.reason
+            entry.policy.capture_failed(verdict_reason, not verdict.final)
+            nxt = "will retry after warm-up" if entry.policy.phase != C.Phase.EAGER else "running eagerly"
+            runner.cache.event(entry, iteration, "capture failed", f"{verdict_reason} ({nxt})")
+            if runner.rank == 0 or error is not None:
+                logger.warning("tier-2 capture for inputs [%s] failed on %s: %s; %s", entry.description,
+                               "this rank" if error is not None else "another rank", verdict_reason, nxt)
+            return False
+
+        pool_bytes = agreement.agreed_max([torch.cuda.memory_reserved(device) - reserved0],
+                                          group=runner.group, device=runner.agree_device)[0]
+        entry.tier = 2
+        entry.graph = fwd
+        entry.step_graph = graphs.pop("step")
+        entry.bwd_graphs = graphs
+        entry.static_result = (loss, out)
+        entry.out_template = out
+        entry.static_outs = tensors
+        entry.diff_mask = diff
+        entry.roots = roots  # keeps the forward graph's saved activations alive
+        entry.static_grads = static_grads
+        entry.collectives = (fingerprint.describe(4) if fingerprint is not None
+                             else "not recorded (stock backend)")
+        entry.n_collectives = len(fingerprint) if fingerprint is not None else -1
+        entry.pool_bytes = max(0, pool_bytes)
+        entry.drift.hyperparams = snapshot_hyperparams(runner.optimizer)
+        entry.drift.param_ptrs = [p.data_ptr() for p in reducer.params]
+        entry.drift.state_version = state_version
+        entry.selection = "kept (tier 2 is not timed against eager)"
+        entry.policy.capture_succeeded()
+        runner.cache.captured_any = True
+        runner.cache.enforce_limits(entry, iteration)
+        if not entry.live:
+            return False
+        entry.setup_s = time.perf_counter() - (entry.first_seen_s or t0)
+        runner.cache.event(entry, iteration, "captured",
+                           f"{entry.collectives}; {entry.segments(reducer.kinds)}; capture "
+                           f"{entry.capture_s * 1e3:.0f} ms, pool {entry.pool_bytes / 2**20:.1f} MiB")
+        if runner.rank == 0:
+            logger.info("captured tier 2 [%s]: %s, capture %.0f ms", entry.description,
+                        entry.collectives, entry.capture_s * 1e3)
+        return True
+
+    # --------------------------------------------------------------- replay
+    def forward(self, entry: GraphEntry, leaves: list, *, sync: bool, label: str):
+        """Replay the forward graph for this call; the module's outputs, as fresh
+        tensors whose backward replays the backward graph."""
+        for static, leaf in zip(entry.static_leaves, leaves):
+            if isinstance(leaf, torch.Tensor) and leaf is not static:
+                static.copy_(leaf, non_blocking=True)
+        self.reducer.enabled = sync
+        self.graph_round = False  # a backward that raised never reached its callback
+        self.reducer.outside_grad_error = None
+        self.runner.watchdog.replay([entry.graph], label)
+        call = _Call(self, entry, sync, label)
+        entry.last_call = call
+        outs = iter(_GraphedCall.apply(call, self.dummy))
+        return map_outputs(entry.out_template, lambda t: next(outs))
+
+    def backward(self, call: _Call, grads) -> None:
+        """``_GraphedCall.backward``: the output gradients into the static
+        buffers, then the backward graph (on the stream of the model call)."""
+        if self.reducer._finalize_queued:  # noqa: SLF001
+            raise OutsideGradientError(_OUTSIDE)
+        entry = call.entry
+        params, views = self.reducer.params, self.reducer.views
+        if entry.last_call is not call:
+            from .conformance import LoopConformanceError
+
+            raise LoopConformanceError(
+                "backward() reached the outputs of a model call after a later call with the same "
+                "inputs replayed the forward graph again (several forward passes into one loss), "
+                "so the saved activations are the later call's. Call backward() after each model "
+                "call, or wrap(..., graphs=False).")
+        fresh = call.sync and all(p.grad is None for p in params)
+        with torch.no_grad():
+            if not fresh:
+                self.attach_grads()
+            for static, g in zip(entry.static_grads, (g for g, d in zip(grads, entry.diff_mask) if d)):
+                if g is None:
+                    static.zero_()
+                else:
+                    static.copy_(g)
+        self.runner.watchdog.replay([entry.bwd_graphs["fresh" if fresh else call.sync]], call.label)
+        if fresh:
+            for p, v in zip(params, views):
+                p.grad = v
+        if not self.graph_round:
+            self.graph_round = True
+            self.reducer.outside_grad_error = _OUTSIDE
+            Variable._execution_engine.queue_callback(lambda: self._backward_done(call))
+
+    def _backward_done(self, call: _Call) -> None:
+        """End of the user's backward: the caller's stream after the graphs."""
+        self.graph_round = False
+        self.reducer.outside_grad_error = None
+        current = torch.cuda.current_stream()
+        if current != call.stream:
+            current.wait_stream(call.stream)
+        if call.sync:
+            self.reducer.rounds += 1
+        self.on_backward_finished()
+
+    def replay_step(self, entry: GraphEntry, label: str) -> None:
+        """``optimizer.step()``: the step graph."""
+        self.runner.watchdog.replay([entry.step_graph], label)
+
+
+_OUTSIDE = ("the loss's backward reached parameters directly, not only through the outputs of "
+            "the model call (for example a regulariser computed from model.parameters() outside "
+            "the model); a tier-2 backward graph cannot add those gradients to the reduction. "
+            "Compute that term inside the module's forward, or wrap(..., graphs=False).")
