@@ -36,6 +36,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def cpu_children_unless_gpu_test(request, monkeypatch):
+    """Processes started by a test not marked gpu/multigpu see no GPU, so the CPU
+    tests exercise Gloo on CPU on a GPU machine too (2 ranks on one GPU would
+    otherwise share it, which NCCL refuses)."""
+    if "gpu" not in request.keywords and "multigpu" not in request.keywords:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 _LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELASTIC_")
 _LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 

@@ -101,7 +101,7 @@ def test_wrap_on_cpu_trains_eagerly_like_ddp(ranks, world):
     results = ranks("test_cpu_training:wrap_cpu_vs_ddp", world_size=world, timeout=180)
     for r in results:
         assert not r["graphs_possible"]
-        assert "CPU-only" in r["graphs_reason"]
+        assert "CPU-only" in r["graphs_reason"] or "no CUDA device" in r["graphs_reason"], r["graphs_reason"]
         assert r["phases"] == ["eager"]
         assert r["loop"].startswith("conforms")
         assert r["max_param_diff"] < 1e-6, r

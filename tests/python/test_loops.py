@@ -274,7 +274,7 @@ def test_graphs_false_never_raises_a_loop_error(ranks):
     for r in ranks("test_loops:loop_vs_ddp", timeout=240,
                    kwargs={"loop": "accum4", "graphs": 0, "steps": 8}):
         assert r["max_param_diff"] < 1e-5, r["report"]
-        assert "graphs are disabled" in r["report"] or "CPU-only" in r["report"]
+        assert "graphs are disabled" in r["report"] or "CPU-only" in r["report"] or "no CUDA device" in r["report"]
 
 
 def all_loops(amp="fp32", steps=30):
