@@ -56,7 +56,6 @@ class GraphEntry:
     out_template: Any = None  # tier 2: the static outputs, in the module's structure
     static_outs: list = field(default_factory=list)
     diff_mask: list = field(default_factory=list)
-    roots: list = field(default_factory=list)
     static_grads: list = field(default_factory=list)
     last_call: Any = None  # tier 2: the latest replay of the forward graph
     eager_buckets: tuple = ()  # buckets reduced eagerly between the two graphs
@@ -202,7 +201,7 @@ class GraphCache:
         entry.step_graph = None
         entry.bwd_graphs = {}
         entry.out_template = None
-        entry.static_outs, entry.roots, entry.static_grads = [], [], []
+        entry.static_outs, entry.static_grads = [], []
         entry.last_call = None
         entry.sparse_grads = {}
         entry.static_result = None

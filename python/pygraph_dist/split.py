@@ -26,8 +26,17 @@ after ``zero_grad(set_to_none=True)`` replays a variant captured with every
 into its bucket view (the kernels of an eager backward, no zeroing pass); any
 other backward accumulates into the bucket views (a ``.grad`` the user set to
 None becomes its zeroed view first, 0 + g == g). Either way tier 2 is bitwise
-equal to ``graphs=False``. The forward graph's saved activations stay
-allocated for as long as the graphs live (the backward graphs read them).
+equal to ``graphs=False``.
+
+Memory: the forward graph's saved activations are needed only from its replay
+to its backward graph's, as in eager training. The last backward capture runs
+without ``retain_graph`` and frees them as it goes, into the graphs' shared
+pool, so that the step graph and graphs captured later use that memory for
+their temporaries, as an eager step reuses freed activations. This is safe
+because in a loop tier 2 accepts no other graph runs between a forward replay
+and its backward (several forwards into one loss stay eager, and a backward
+through a superseded replay raises); the static outputs stay allocated (they
+are copied out at each call).
 """
 
 from __future__ import annotations
@@ -179,26 +188,31 @@ class SplitGraphs:
             # amp="fp16": the scale multiplies the loss's gradient when the module
             # returns a loss, every output's otherwise (as the eager path does).
             scaled = [loss is None or t is loss for t in roots] if step.grad_scaler is not None else None
-            # "fresh": the first synchronised backward after zero_grad(set_to_none=True),
-            # captured with every .grad None, so that autograd hands each gradient
-            # over (no zeroing, no accumulation pass), exactly as in eager training.
-            # True/False: accumulate into the existing .grad, with/without all-reduce.
-            with torch.no_grad():
-                for p in reducer.params:
-                    p.grad = None
-            for key in ("fresh", *((False, True) if no_sync_variant else (True,))):
+            # True/False: accumulate into the existing .grad, with/without the
+            # all-reduces. "fresh": the first synchronised backward after
+            # zero_grad(set_to_none=True), captured with every .grad None, so that
+            # autograd hands each gradient over (no zeroing, no accumulation pass),
+            # exactly as in eager training. "fresh" is captured last and without
+            # retain_graph: its saved activations are freed as its backward runs,
+            # as in an eager backward, instead of all staying live next to the
+            # gradients it allocates (see "Memory").
+            keys = ((False, True) if no_sync_variant else (True,)) + ("fresh",)
+            for key in keys:
                 g = torch.cuda.CUDAGraph()
                 graphs[key] = g
                 reducer.enabled = key is not False
-                if key != "fresh":
-                    with torch.no_grad():
+                with torch.no_grad():
+                    if key == "fresh":
+                        for p in reducer.params:
+                            p.grad = None
+                    else:
                         self.attach_grads()
                 with capturing(g):
                     grads = static_grads
                     if scaled is not None:
                         scale = step.grad_scaler._scale  # noqa: SLF001
                         grads = [s * scale if m else s for s, m in zip(static_grads, scaled)]
-                    torch.autograd.backward(roots, grads, retain_graph=True)
+                    torch.autograd.backward(roots, grads, retain_graph=key != "fresh")
             step_graph = torch.cuda.CUDAGraph()
             graphs["step"] = step_graph
             with capturing(step_graph):
@@ -248,11 +262,11 @@ class SplitGraphs:
         entry.graph = fwd
         entry.step_graph = graphs.pop("step")
         entry.bwd_graphs = graphs
-        entry.static_result = (loss, out)
-        entry.out_template = out
-        entry.static_outs = tensors
+        detached = map_outputs(out, lambda t: t.detach())  # no autograd graph kept
+        entry.static_result = (None, detached)
+        entry.out_template = detached
+        entry.static_outs = output_tensors(detached)
         entry.diff_mask = diff
-        entry.roots = roots  # keeps the forward graph's saved activations alive
         entry.static_grads = static_grads
         entry.collectives = (fingerprint.describe(4) if fingerprint is not None
                              else "not recorded (stock backend)")
