@@ -115,6 +115,7 @@ def wrap(
     pad_batch_to: tuple[int, ...] | list[int] = (),
     pad_value=0,
     skip_nonfinite: bool = False,
+    grad_comm_dtype: torch.dtype | str | None = None,
 ) -> tuple[GraphedModule, torch.optim.Optimizer]:
     """Wrap a model and its optimizer for graphed data-parallel training.
 
@@ -152,6 +153,10 @@ def wrap(
             iteration (no host sync; every rank alike, gradients being
             all-reduced) and counted in ``report()``. Uses the fused optimizer
             kernel's ``found_inf`` input (Adam, AdamW, SGD).
+        grad_comm_dtype: ``torch.bfloat16`` all-reduces the fp32 gradient buckets
+            in bf16 (half the bytes), written back into the fp32 gradients, inside
+            the graph — what DDP's ``bf16_compress_hook`` does. Off by default: it
+            rounds every gradient to bf16's 8 bits of mantissa.
 
     Returns ``(GraphedModule, optimizer)``; the optimizer is the same object,
     made capturable and routed through the engine.
@@ -163,7 +168,7 @@ def wrap(
         graph_memory_mb=graph_memory_mb, broadcast_buffers=broadcast_buffers,
         replay_timeout=replay_timeout, monitor=monitor, eager_params=eager_params,
         select=select, select_margin=select_margin, pad_batch_to=pad_batch_to, pad_value=pad_value,
-        skip_nonfinite=skip_nonfinite,
+        skip_nonfinite=skip_nonfinite, grad_comm_dtype=grad_comm_dtype,
     )
     engine = Engine(model, optimizer, config, process_group)
     return GraphedModule(model, engine), optimizer

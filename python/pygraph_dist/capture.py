@@ -211,7 +211,8 @@ class GraphRunner:
                       (repr(v) if not isinstance(v, torch.Tensor) else "tensor"))
                   for k, v in g.items()} for g in snapshot_hyperparams(self.optimizer)]
         split = [(b, self.reducer.kinds[b]) for b in entry.eager_buckets]
-        return repr((entry.description, self.step.amp.name, self.step.max_grad_norm, hyper, split))
+        return repr((entry.description, self.step.amp.name, self.step.max_grad_norm, hyper, split,
+                     str(self.reducer.comm_dtype)))
 
     def _restore_after_failed_capture(self, generator, rng_snapshot) -> None:
         """Undo what a failed capture leaves behind. A capture that dies before

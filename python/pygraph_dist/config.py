@@ -34,6 +34,10 @@ class WrapConfig:
     pad_batch_to: tuple[int, ...] = ()
     pad_value: Any = 0
     skip_nonfinite: bool = False
+    grad_comm_dtype: torch.dtype | None = None
+
+
+COMM_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16}
 
 
 def make_config(**kwargs: Any) -> WrapConfig:
@@ -43,6 +47,18 @@ def make_config(**kwargs: Any) -> WrapConfig:
     kwargs["pad_batch_to"] = tuple(sorted(pad_batch_to))
     kwargs["pad_value"] = tuple(pad_value) if isinstance(pad_value, (list, tuple)) else pad_value
     kwargs["eager_params"] = tuple(kwargs.get("eager_params", ()))
+    comm = kwargs.get("grad_comm_dtype")
+    if comm is not None:
+        key = comm.lower() if isinstance(comm, str) else str(comm)
+        if comm in (torch.float32, "fp32", "float32"):
+            comm = None  # the gradients' own dtype: nothing to compress
+        elif key not in COMM_DTYPES:
+            raise ValueError(f"grad_comm_dtype={comm!r} is not supported: use torch.bfloat16 (like DDP's "
+                             "bf16_compress_hook) or None. fp16 all-reduce can overflow without a "
+                             "scale; it is not offered.")
+        else:
+            comm = COMM_DTYPES[key]
+        kwargs["grad_comm_dtype"] = comm
     config = WrapConfig(**kwargs)
     if not 0.0 <= config.select_margin < 1.0:
         raise ValueError(f"select_margin must be in [0, 1), got {config.select_margin}")

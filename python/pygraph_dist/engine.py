@@ -109,7 +109,8 @@ class Engine:
         if sparse:
             check_sparse_support(sparse, optimizer, self.amp, config)
         self.reducer = GradientReducer(named, self.group, config.bucket_cap_mb,
-                                       sparse=sparse, eager=config.eager_params)
+                                       sparse=sparse, eager=config.eager_params,
+                                       comm_dtype=config.grad_comm_dtype)
         self.reducer.on_finalize = self._on_backward_finished
         self.step = IterationStep(
             module, optimizer, self.reducer, amp=self.amp, grad_scaler=grad_scaler,

@@ -85,10 +85,12 @@ class GradientReducer:
         *,
         sparse: Collection[str] = (),
         eager: Collection[str] = (),
+        comm_dtype: torch.dtype | None = None,
     ) -> None:
         """``sparse``: names of parameters whose gradients are sparse; ``eager``:
         names of dense parameters reduced outside the graph. Both get buckets
-        of their own."""
+        of their own. ``comm_dtype``: the dtype floating-point dense buckets
+        of wider types are all-reduced in (bf16 compression)."""
         self.group = group if group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group)
         self.names = [n for n, _ in named_params]
@@ -125,6 +127,15 @@ class GradientReducer:
             self.buffers.append(None if sparse_bucket else torch.zeros(b.numel, dtype=p0.dtype, device=p0.device))
             self.bucket_params.append(list(b.params))
             self.kinds.append(SPARSE if sparse_bucket else GRAPH)
+        # bf16 compression: a persistent buffer per bucket (static for graphs):
+        # cast in, all-reduce, cast back into the fp32 bucket after the wait.
+        self.comm_dtype = comm_dtype
+        self.comm: list[torch.Tensor | None] = [
+            torch.empty(buf.numel(), dtype=comm_dtype, device=buf.device)
+            if comm_dtype is not None and buf is not None and buf.is_floating_point()
+            and buf.element_size() > torch.empty((), dtype=comm_dtype).element_size() else None
+            for buf in self.buffers
+        ]
         self.views: list[torch.Tensor | None] = [None] * len(self.params)
         self.bucket_of: list[int] = list(self.plan.bucket_of_param)
         for i, p in enumerate(self.params):
@@ -185,6 +196,8 @@ class GradientReducer:
             return "no parameters require grad"
         eager = self.eager_buckets
         tail = f"; {len(eager)} reduced outside the graph" if eager else ""
+        if any(c is not None for c in self.comm):
+            tail += f"; all-reduced in {str(self.comm_dtype).replace('torch.', '')}"
         return (
             f"{len(sizes)} buckets, {sum(sizes) / 2**20:.1f} MiB in all "
             f"(largest {max(sizes) / 2**20:.1f} MiB){tail}"
@@ -253,7 +266,11 @@ class GradientReducer:
             raise
 
     def _all_reduce(self, b: int):
-        return dist.all_reduce(self.buffers[b], group=self.group, async_op=True)
+        comm = self.comm[b]
+        if comm is None:
+            return dist.all_reduce(self.buffers[b], group=self.group, async_op=True)
+        comm.copy_(self.buffers[b])  # the gradients already hold grad / world_size
+        return _CastBack(dist.all_reduce(comm, group=self.group, async_op=True), comm, self.buffers[b])
 
     def _finalize(self) -> None:
         """End of backward: reduce what is left, wait, expose the reduced grads."""
@@ -337,6 +354,21 @@ class GradientReducer:
     def abandon(self) -> None:
         """Forget a half-done reduction (e.g. after a failed capture): nothing was launched for real."""
         self._reset_round()
+
+
+class _CastBack:
+    """A compressed bucket's all-reduce: ``wait()`` waits, then writes the
+    reduced values back into the full-precision bucket (on the waiting stream)."""
+
+    __slots__ = ("work", "comm", "buffer")
+
+    def __init__(self, work, comm: torch.Tensor, buffer: torch.Tensor) -> None:
+        self.work, self.comm, self.buffer = work, comm, buffer
+
+    def wait(self):
+        self.work.wait()
+        self.buffer.copy_(self.comm)
+        return True
 
 
 def _all_gather_varying(indices: torch.Tensor, values: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
