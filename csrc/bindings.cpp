@@ -187,10 +187,18 @@ void bind_backend(py::module_& m) {
   // The base class c10d::Backend is registered by torch.distributed; it must
   // be imported first so that pybind11 can find it.
   py::module_::import("torch.distributed");
+  // The wrapper's Python object may hold the last reference to the inner
+  // backend, whose destructor (ProcessGroupGloo's) joins worker threads that
+  // can need the GIL to drop the Python tensors of a finished Work: so the
+  // C++ destructor runs with the GIL released, as torch does for its own
+  // backends. Otherwise a rank exits by deadlock (seen with torch 2.14, where
+  // the ProcessGroup destructor drops the wrapper's Python object with the
+  // GIL held).
   py::class_<GraphSafeBackend, c10d::Backend, c10::intrusive_ptr<GraphSafeBackend>>(
       m, "GraphSafeBackend",
       "A c10d Backend that forwards to `inner` and makes its collectives safe "
-      "to capture into CUDA graphs (see csrc/graph_safe_backend.h).")
+      "to capture into CUDA graphs (see csrc/graph_safe_backend.h).",
+      py::release_gil_before_calling_cpp_dtor())
       .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& inner,
                        const std::string& device_type) {
              TORCH_CHECK(inner, "GraphSafeBackend needs a backend to wrap, got None");
