@@ -315,6 +315,23 @@ def _pick_device(e: LaunchEnvironment) -> torch.device | None:
     return torch.device("cuda", index)
 
 
+def _import_dynamo_first() -> None:
+    """Import torch._dynamo before the default process group exists.
+
+    The first optimizer (or torch.compile) imports it lazily; imported after
+    init_process_group it keeps references to the default group (10, torch
+    2.13 and 2.14), so destroy_process_group() -- and shutdown() -- no longer
+    destroy the group: its Gloo worker threads live on into interpreter exit,
+    and one still dropping a finished Work's tensors then takes the GIL and
+    aborts the process ("terminate called without an active exception", seen
+    in test_slurm_two_hosts after all_gather_object). Imported first, it holds
+    none. Costs nothing overall: every training loop creates an optimizer."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:  # noqa: BLE001 - only a mitigation; a broken dynamo must not stop init()
+        logger.debug("torch._dynamo could not be imported", exc_info=True)
+
+
 def init(
     backend: str = "auto",
     *,
@@ -374,6 +391,7 @@ def init(
     global _last_timeout
     _last_timeout = timeout
     chosen = _backend.resolve(backend, cuda=device is not None)
+    _import_dynamo_first()
     dist.init_process_group(
         backend=chosen, store=store, rank=e.rank, world_size=e.world_size, timeout=timeout
     )

@@ -224,8 +224,40 @@ def mode_capture(args) -> None:
     dist.destroy_process_group()
 
 
+def shutdown_joins(args) -> None:
+    """After wrap(), training and shutdown(), how many Gloo worker threads are
+    left? Every one left runs on into interpreter exit (issue 13)."""
+    import pygraph_dist as pgd
+
+    pgd.init(backend="auto" if args.backend == "pgd" else "gloo")
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = MLP(width=16, depth=1)
+    # The optimizer is created after init, as in every training script: its
+    # first creation imports torch._dynamo.
+    model, opt = pgd.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(8, 16), torch.randint(0, 10, (8,))).backward()
+        opt.step()
+    rank = dist.get_rank()
+    pgd.shutdown()
+
+    def gloo_threads() -> int:
+        n = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                n += Path(f"/proc/self/task/{tid}/comm").read_text().startswith("pt_gloo")
+            except OSError:
+                pass
+        return n
+
+    _write(args.out, rank, gloo_threads=gloo_threads())
+
+
 CASES = {f.__name__: f for f in (train, native_gil_held, native_completes, native_heartbeats,
-                                 mode_capture)}
+                                 mode_capture, shutdown_joins)}
 
 
 def main() -> None:

@@ -55,3 +55,27 @@ def test_collective_works_hold_no_python_objects(tmp_path):
         assert res["backend"] == "pgd_gloo", res
         assert res["held_tls"] == 0, res
         assert res["held_mode"] == 0, res
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
+def test_shutdown_leaves_no_gloo_threads(tmp_path):
+    """pgd.shutdown() destroys the group now: no Gloo worker thread is left to
+    drop a Work's tensors (taking the GIL) during interpreter exit, although
+    the optimizer, created after init(), imported torch._dynamo (which pins a
+    default group that exists when it is imported)."""
+    import json
+
+    from conftest import child_env, free_port
+
+    worker = Path(__file__).with_name("faults_workers.py")
+    port = str(free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, str(worker), "shutdown_joins", "--out", str(tmp_path), "--backend", "pgd"],
+        env=child_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, CUDA_VISIBLE_DEVICES=""),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT)) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    for r in range(2):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert res["gloo_threads"] == 0, res
