@@ -184,6 +184,20 @@ def native_heartbeats(args) -> None:
     print("faults_workers: NOT REACHED", flush=True)
 
 
+def _stash_obj_in_tls(key: str, obj) -> None:
+    """torch._C._stash_obj_in_tls that owns a reference to ``obj``. torch 2.11's
+    steals the caller's (it wraps the pointer in a SafePyObject without an
+    incref; later versions incref), so the map's release would free an object
+    still in use: give it a reference of its own there."""
+    import ctypes
+    import sys as _sys
+
+    before = _sys.getrefcount(obj)
+    torch._C._stash_obj_in_tls(key, obj)
+    if _sys.getrefcount(obj) == before:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
 def mode_capture(args) -> None:
     """Does the Work of an async all-reduce issued under a TorchFunctionMode
     hold that mode (in its captured thread-local state)? ``--backend`` picks
@@ -214,9 +228,12 @@ def mode_capture(args) -> None:
     # contextvars.copy_context() there (torch/autograd/graph.py, _engine_run_backward).
     obj = object()
     base = _sys.getrefcount(obj)
-    torch._C._stash_obj_in_tls("pgd-test", obj)
+    _stash_obj_in_tls("pgd-test", obj)
     work = dist.all_reduce(t, async_op=True)
-    torch._C._remove_obj_from_tls("pgd-test")
+    if hasattr(torch._C, "_remove_obj_from_tls"):
+        torch._C._remove_obj_from_tls("pgd-test")
+    else:  # torch 2.11 has no remove: overwriting drops the map's reference to obj
+        _stash_obj_in_tls("pgd-test", None)
     held_tls = _sys.getrefcount(obj) - base
     work.wait()
     del work
