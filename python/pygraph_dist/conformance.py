@@ -16,6 +16,7 @@ already happened; continuing would train differently from what the loop says).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from typing import Callable
 
@@ -56,6 +57,7 @@ class LoopState:
         self.split_reason: str = ""
         self.saw_no_sync = False  # a probe step called the model inside no_sync()
         self.backward_seen = False  # backward() called since the last model call
+        self.zero_check_pending = False  # probe: gradients were present at the model call
         # Probe: autograd nodes of the outputs handed out this step, and the
         # model's parameters, to tell whether the user's loss reaches
         # parameters other than through the model call (tier 2 could not).
@@ -86,6 +88,19 @@ class LoopState:
         """Start (or move) the monitor's window over the user's code."""
         if self.monitor is not None:
             self.monitor.start(window)
+
+    @contextlib.contextmanager
+    def unwatched(self):
+        """The monitor looks away (the engine's own writes, e.g. inside zero_grad())."""
+        m = self.monitor
+        active = m is not None and m.active
+        if active:
+            m.active = False
+        try:
+            yield
+        finally:
+            if active:
+                m.active = True
 
     def stop(self) -> list[Violation]:
         return self.monitor.stop() if self.monitor is not None else []
@@ -122,13 +137,9 @@ class LoopState:
 
     def user_forward(self, *, probe: bool, grads_present: bool) -> None:
         """The loop runs as written this iteration."""
-        if probe and not self.zeroed_since_step and grads_present and self.monitor is not None:
-            self.monitor.start("before the model call")
-            self.monitor.record(
-                "optimizer.zero_grad() was not called since the previous optimizer.step(), so "
-                "gradients accumulate across iterations",
-                "A graph overwrites gradients every iteration; call zero_grad() once per step.",
-            )
+        # Checked at the backward, not here: zero_grad() between the model call and
+        # backward() (a common DDP loop) zeroes in time.
+        self.zero_check_pending = probe and not self.zeroed_since_step and grads_present
         self.mode = Mode.USER
 
     def handed_out(self, loss: torch.Tensor | None, *, watch: bool = True) -> None:
@@ -142,6 +153,14 @@ class LoopState:
     def backward_called(self, target, kwargs: dict) -> bool:
         """A ``backward()`` in the user's window; returns whether it should run."""
         self.backward_seen = True
+        if self.zero_check_pending:
+            self.zero_check_pending = False
+            if not self.zeroed_since_step:
+                self.violation(
+                    "optimizer.zero_grad() was not called since the previous optimizer.step(), so "
+                    "gradients accumulate across iterations",
+                    "A graph overwrites gradients every iteration; call zero_grad() once per step.",
+                )
         if isinstance(target, (list, tuple)) and len(target) == 1:
             target = target[0]
         if target is not self.returned_loss and self.output_nodes and self.reaches_params(target):
@@ -221,6 +240,7 @@ class LoopState:
             )
         self.stage = Stage.IDLE
         self.zeroed_since_step = False
+        self.zero_check_pending = False
         self.output_nodes = set()
         return seen
 

@@ -387,7 +387,8 @@ class Engine:
     def optimizer_zero_grad(self, set_to_none: bool = True) -> None:
         self.loop.zero_grad_called()
         if not self.loop.owned:
-            self._base_cls.zero_grad(self.optimizer, set_to_none)
+            with self.loop.unwatched():  # zero_grad() itself is judged by zero_grad_called()
+                self._base_cls.zero_grad(self.optimizer, set_to_none)
 
     def _finish_probe(self, entry: GraphEntry, violations) -> None:
         whats: set[str] = set()

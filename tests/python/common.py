@@ -69,6 +69,10 @@ def train(model, optimizer, steps, rank, *, clip=None, dev="cpu", variant="plain
         elif variant == "no_zero_grad":
             loss = model(x, y)
             loss.backward()
+        elif variant == "zero_after_forward":  # a DDP loop: zero_grad() between forward and backward
+            loss = model(x, y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
         else:
             optimizer.zero_grad(set_to_none=True)
             loss = model(x, y)

@@ -112,6 +112,14 @@ def test_wrap_on_cpu_trains_eagerly_like_ddp(ranks, world):
         assert "graphs unavailable" in r["report_text"]
 
 
+def test_zero_grad_between_forward_and_backward_conforms(ranks):
+    """zero_grad() after the model call still zeroes before backward: not a
+    deviation (it used to be taken for a missing zero_grad())."""
+    for r in ranks("test_cpu_training:loop_variant", kwargs={"variant": "zero_after_forward"}, timeout=120):
+        assert r["loop"].startswith("conforms"), r["loop"]
+        assert r["max_param_diff"] < 1e-6, r
+
+
 def loop_variant(variant="plain"):
     """A loop that a graph cannot represent: the probe must say so, and training
     must stay exactly what the loop means (compared with DDP running the same loop)."""
