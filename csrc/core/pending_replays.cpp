@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
-#include <sstream>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <utility>
 
@@ -94,15 +97,53 @@ std::string encode_heartbeat(const Heartbeat& hb) {
   return buf;
 }
 
+namespace {
+
+// Parsing and formatting here avoid iostreams, as capture_fingerprint.cpp
+// explains: in the GPU machine's process (torch 2.11+cu130, g++ 13) the
+// istream number extraction compiled into this library called through the
+// wrong locale facet and crashed (SIGSEGV in decode_heartbeat).
+const char* skip_spaces(const char* s) {
+  while (*s == ' ' || *s == '\t') {
+    ++s;
+  }
+  return s;
+}
+
+bool parse_u64(const char*& s, uint64_t& v) {
+  s = skip_spaces(s);
+  if (*s < '0' || *s > '9') {
+    return false;
+  }
+  errno = 0;
+  char* end = nullptr;
+  const unsigned long long x = std::strtoull(s, &end, 10);
+  if (errno != 0 || end == s) {
+    return false;
+  }
+  v = static_cast<uint64_t>(x);
+  s = end;
+  return true;
+}
+
+}  // namespace
+
 std::optional<Heartbeat> decode_heartbeat(const std::string& text) {
-  std::istringstream in(text);
   Heartbeat hb;
-  if (!(in >> hb.wall_s >> hb.armed >> hb.completed)) {
+  const char* s = skip_spaces(text.c_str());
+  char* end = nullptr;
+  errno = 0;
+  hb.wall_s = std::strtod(s, &end);
+  if (end == s || errno != 0 || !std::isfinite(hb.wall_s)) {
     return std::nullopt;
   }
-  std::string rest;
-  if (in >> rest) {
-    if (rest != "closed" || (in >> rest)) {
+  s = end;
+  if (!parse_u64(s, hb.armed) || !parse_u64(s, hb.completed)) {
+    return std::nullopt;
+  }
+  s = skip_spaces(s);
+  if (*s != '\0') {
+    if (std::strncmp(s, "closed", 6) != 0 || *skip_spaces(s + 6) != '\0') {
       return std::nullopt;
     }
     hb.closed = true;
@@ -156,15 +197,15 @@ std::vector<int> RankLiveness::stale(double wall_now) const {
 }
 
 std::string RankLiveness::describe(double wall_now, size_t max_ranks) const {
-  std::ostringstream out;
+  std::string out;
   char buf[256];
   if (!store_error_.empty()) {
     std::snprintf(buf, sizeof(buf), "the store has not answered for %.1f s (", wall_now - store_error_since_);
-    out << buf << store_error_ << "); heartbeats as last read:\n";
+    out += buf + store_error_ + "); heartbeats as last read:\n";
   }
   if (!any_read_) {
-    out << "no heartbeat has been read from the store yet\n";
-    return out.str();
+    out += "no heartbeat has been read from the store yet\n";
+    return out;
   }
   const std::vector<int> stale_ranks = stale(wall_now);
   std::vector<int> order = stale_ranks;
@@ -193,28 +234,35 @@ std::string RankLiveness::describe(double wall_now, size_t max_ranks) const {
                     r, wall_now - s.last->wall_s, is_stale ? "NOT ALIVE" : "alive", s.last->armed,
                     s.last->completed);
     }
-    out << buf << "\n";
+    out += buf;
+    out += "\n";
     ++shown;
   }
   if (order.size() > shown) {
-    out << "... and " << order.size() - shown << " more ranks, alive\n";
+    out += "... and " + std::to_string(order.size() - shown) + " more ranks, alive\n";
   }
   if (stale_ranks.empty()) {
-    out << "every rank's watchdog is alive: a rank is running but not replaying "
+    out += "every rank's watchdog is alive: a rank is running but not replaying "
            "(it may have left the training loop, or be stuck outside the graph)\n";
   }
-  return out.str();
+  return out;
 }
 
 // ---- the report ---------------------------------------------------------
 
 namespace {
 
-void lines(std::ostringstream& out, const std::string& prefix, const std::string& text) {
-  std::istringstream in(text);
-  std::string line;
-  while (std::getline(in, line)) {
-    out << prefix << line << "\n";
+void lines(std::string& out, const std::string& prefix, const std::string& text) {
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t nl = text.find('\n', start);
+    if (nl == std::string::npos) {
+      nl = text.size();
+    }
+    out += prefix;
+    out.append(text, start, nl - start);
+    out += "\n";
+    start = nl + 1;
   }
 }
 
@@ -226,7 +274,7 @@ std::string describe_timeout(const ReplayVerdict& v,
                              const std::string& liveness,
                              int exit_code) {
   const std::string p = "[pygraph_dist watchdog] ";
-  std::ostringstream out;
+  std::string out;
   char buf[512];
   const std::string what = v.replay.label.empty() ? std::string("(unlabelled)") : v.replay.label;
   if (v.kind == WaitKind::kLaunch) {
@@ -240,15 +288,15 @@ std::string describe_timeout(const ReplayVerdict& v,
                   "%.1f s (replay timeout %.0f s).",
                   context.c_str(), v.replay.seq, what.c_str(), v.waited_s, timeout_s);
   }
-  out << p << buf << "\n";
+  out += p + buf + "\n";
   std::snprintf(buf, sizeof(buf), "replays armed %" PRIu64 ", completed %" PRIu64 ", pending %zu.",
                 v.armed, v.completed, v.pending);
-  out << p << "  " << buf << "\n";
+  out += p + "  " + buf + "\n";
   if (!v.replay.collectives.empty()) {
-    out << p << "  collectives in the graph: " << v.replay.collectives << "\n";
+    out += p + "  collectives in the graph: " + v.replay.collectives + "\n";
   }
   if (!liveness.empty()) {
-    out << p << "  other ranks, by their watchdog heartbeats in the store:\n";
+    out += p + "  other ranks, by their watchdog heartbeats in the store:\n";
     lines(out, p + "    ", liveness);
   }
   std::snprintf(buf, sizeof(buf),
@@ -256,8 +304,8 @@ std::string describe_timeout(const ReplayVerdict& v,
                 "probably crashed, stopped or left the training loop. Ending this process with exit "
                 "code %d so that the launcher stops the job instead of hanging.",
                 exit_code);
-  out << p << buf << "\n";
-  return out.str();
+  out += p + buf + "\n";
+  return out;
 }
 
 }  // namespace pgd::core

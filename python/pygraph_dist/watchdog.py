@@ -183,12 +183,10 @@ class ReplayWatchdog:
             store, rank, world = (None, 0, 1)
             if self._store is _DEFAULT:
                 store, rank, world = _default_heartbeat_store()
-                if os.environ.get("PGD_WATCHDOG_HEARTBEATS", "0") != "1":
-                    # Off by default: on 2xH200 the survivor of a dead peer
-                    # crashed (SIGSEGV) about when the heartbeat thread first
-                    # reads the peers' keys through the default process group's
-                    # store (a PrefixStore clone; the CPU tests cover a bare
-                    # TCPStore only). Unconfirmed; opt in to test it.
+                if os.environ.get("PGD_WATCHDOG_HEARTBEATS", "1") == "0":
+                    # Opt-out. (They were off by default until the SIGSEGV seen on
+                    # the GPU machine was traced to iostream number parsing in
+                    # decode_heartbeat, replaced by strtod/strtoull.)
                     store = None
             else:
                 store = self._store

@@ -136,6 +136,12 @@ TEST(Heartbeat, RoundTripsAndRejectsGarbage) {
   EXPECT_FALSE(decode_heartbeat("12.5 3").has_value());
   EXPECT_FALSE(decode_heartbeat("12.5 3 4 extra").has_value());
   EXPECT_FALSE(decode_heartbeat("abc 1 2").has_value());
+  EXPECT_FALSE(decode_heartbeat("12.5 -3 4").has_value());
+  EXPECT_FALSE(decode_heartbeat("12.5 3 4 closed extra").has_value());
+  EXPECT_FALSE(decode_heartbeat("nan 3 4").has_value());
+  auto spaced = decode_heartbeat("  12.5  3 4  ");
+  ASSERT_TRUE(spaced.has_value());
+  EXPECT_EQ(spaced->completed, 4u);
   EXPECT_FALSE(back->closed);
   hb.closed = true;
   auto closed = decode_heartbeat(encode_heartbeat(hb));

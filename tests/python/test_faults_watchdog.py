@@ -213,11 +213,13 @@ def _check_watchdog_exit(o: Outcome, *, faulty_note: str | None = None) -> None:
 
 @pytest.mark.parametrize("fault", ["kill", "stop", "leave", "raise"])
 def test_hand_started_survivor_is_ended_by_the_watchdog(outcomes, fault):
-    # Which ranks were last seen alive comes from store heartbeats, which are off
-    # by default (PGD_WATCHDOG_HEARTBEATS=1): through the default process group's
-    # store they crashed the survivor (SIGSEGV) on 2xH200. Their report is
-    # tested on CPU with a bare TCPStore (test_faults_native_watchdog.py).
-    _check_watchdog_exit(outcomes[f"hand-{fault}"])
+    # Which ranks were last seen alive: the watchdogs' heartbeats in the default
+    # process group's store (on by default; PGD_WATCHDOG_HEARTBEATS=0 turns them off).
+    o = outcomes[f"hand-{fault}"]
+    _check_watchdog_exit(o, faulty_note="other ranks, by their watchdog heartbeats in the store:")
+    assert re.search(r"rank 1: (last heartbeat|closed its watchdog|no heartbeat seen)", o.output), o.output[-5000:]
+    if fault in ("kill", "stop"):  # rank 1 stopped beating: stale by the time the replay timed out
+        assert "(NOT ALIVE)" in o.output, o.output[-5000:]
 
 
 @pytest.mark.parametrize("fault", ["stop", "leave"])
