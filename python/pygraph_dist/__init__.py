@@ -21,6 +21,7 @@ import torch  # noqa: F401 - loads libtorch before the extension
 from ._ext import C as _C
 from ._ext import graphs_available
 from .backend import graph_safe_backend
+from .compiled import check_compiled_module, compile_kwargs
 from .config import WrapConfig, check_wrap_targets, make_config
 from .conformance import LoopConformanceError
 from .engine import Engine
@@ -116,6 +117,7 @@ def wrap(
     pad_value=0,
     skip_nonfinite: bool = False,
     grad_comm_dtype: torch.dtype | str | None = None,
+    compile: bool | dict = False,
 ) -> tuple[GraphedModule, torch.optim.Optimizer]:
     """Wrap a model and its optimizer for graphed data-parallel training.
 
@@ -157,11 +159,21 @@ def wrap(
             in bf16 (half the bytes), written back into the fp32 gradients, inside
             the graph — what DDP's ``bf16_compress_hook`` does. Off by default: it
             rounds every gradient to bf16's 8 bits of mantissa.
+        compile: ``True`` (or a dict of ``torch.compile`` arguments: mode,
+            options, dynamic, fullgraph, backend) runs the module's call through
+            ``torch.compile`` inside the graphs: inductor's fused kernels, and
+            pygraph_dist's capture instead of torch.compile's own CUDA graphs
+            (``mode="reduce-overhead"`` is switched to the default mode with a
+            warning). ``model.module`` and ``state_dict`` keys stay those of the
+            uncompiled module. Compile time and recompiles are in ``report()``.
+            A module already compiled by ``torch.compile`` in a mode without
+            CUDA graphs works too; one compiled with them is refused.
 
     Returns ``(GraphedModule, optimizer)``; the optimizer is the same object,
     made capturable and routed through the engine.
     """
     check_wrap_targets(model, optimizer)
+    check_compiled_module(model, compile)
     config = make_config(
         loss_fn=loss_fn, amp=amp, bucket_cap_mb=bucket_cap_mb, warmup=warmup, probe=probe,
         graphs=graphs, max_grad_norm=max_grad_norm, max_graphs=max_graphs,
@@ -169,6 +181,7 @@ def wrap(
         replay_timeout=replay_timeout, monitor=monitor, eager_params=eager_params,
         select=select, select_margin=select_margin, pad_batch_to=pad_batch_to, pad_value=pad_value,
         skip_nonfinite=skip_nonfinite, grad_comm_dtype=grad_comm_dtype,
+        compile=compile_kwargs(compile),
     )
     engine = Engine(model, optimizer, config, process_group)
     return GraphedModule(model, engine), optimizer

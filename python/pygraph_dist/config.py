@@ -35,6 +35,7 @@ class WrapConfig:
     pad_value: Any = 0
     skip_nonfinite: bool = False
     grad_comm_dtype: torch.dtype | None = None
+    compile: dict | None = None  # torch.compile arguments (compiled.compile_kwargs)
 
 
 COMM_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16}

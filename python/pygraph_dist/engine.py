@@ -48,6 +48,9 @@ from . import agreement, lifetime
 from ._ext import C, graphs_available
 from .amp import ensure_scale_initialised, make_grad_scaler, parse_amp
 from .backend import graph_safe_backend
+from .compiled import TIMER as COMPILE_TIMER
+from .compiled import CompileStats, compile_module, disable_donated_buffers, is_compiled
+from .compiled import describe as describe_compile
 from .capture import SELECT_REPLAYS, GraphRunner
 from .config import WrapConfig, check_sparse_support, sparse_param_names
 from .conformance import LoopConformanceError, LoopState, Mode, Stage  # noqa: F401 - re-exported
@@ -118,6 +121,17 @@ class Engine:
             broadcast_buffers=config.broadcast_buffers, device=self.device,
             skip_nonfinite=config.skip_nonfinite)
         self.step.sync_module_states()
+        # torch.compile inside the graph (compiled.py): ours (compile=...) or the user's.
+        self.compile_user = is_compiled(module)
+        if config.compile is not None:
+            self.step.call = compile_module(module, config.compile)
+        self.compiled = config.compile is not None or self.compile_user
+        self.compile_stats = CompileStats()
+        if self.compiled:
+            COMPILE_TIMER.install()
+            if disable_donated_buffers():
+                logger.info("torch._functorch.config.donated_buffer set to False: tier 2 captures the "
+                            "compiled backward with retain_graph=True, which donated buffers forbid")
         make_graph_aware(optimizer, self)
 
         cuda = self.device.type == "cuda"
@@ -186,6 +200,8 @@ class Engine:
             # Evaluation, or after teardown (no process group left): the module as is.
             return self.step.evaluate(args, kwargs)
         self.reducer.finish_pending()
+        if self.compiled:  # compilations from here on are this model's
+            COMPILE_TIMER.current = (self.compile_stats, self._first_iteration)
         if self.loop.stage is not Stage.IDLE and not self.loop.owned:
             # Another model call in the same optimizer step (gradient accumulation,
             # several forwards): the loop runs as written, as with DDP, its
@@ -236,6 +252,9 @@ class Engine:
         if len(entry.replay_times) >= SELECT_REPLAYS:
             self.runner.select(entry, iteration=self.iteration)
         return self._hand_out(loss)
+
+    def _first_iteration(self) -> bool:
+        return self.iteration <= 1
 
     def _selecting(self, entry: GraphEntry) -> bool:
         return self.runner.selecting(entry, self.graphs_possible)
@@ -474,6 +493,7 @@ class Engine:
             backend=backend, eager_buckets=self.reducer.describe_eager(),
             graphs=self.cache.describe(self.reducer.kinds),
             skipped_steps=int(self.step.skipped.item()) if self.step.skipped is not None else None,
+            compile=describe_compile(self.config.compile, self.compile_stats, self.compile_user),
             events=[asdict(e) for e in self.cache.events],
         )
 

@@ -48,6 +48,7 @@ class ModelReport:
     graphs: list[GraphReport] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
     skipped_steps: int | None = None  # skip_nonfinite: optimizer steps skipped (inf/NaN gradients)
+    compile: str = ""  # torch.compile inside the graph: how, compilations, seconds, recompiles
 
     @property
     def replays(self) -> int:
@@ -76,6 +77,8 @@ class Report:
             if not m.graphs_possible:
                 lines.append(f"  graphs unavailable: {m.graphs_reason}")
             lines.append(f"  loop: {m.loop}")
+            if m.compile:
+                lines.append(f"  compile: {m.compile}")
             if m.skipped_steps is not None:
                 lines.append(f"  non-finite steps skipped (skip_nonfinite): {m.skipped_steps}")
             shown = {m.graphs_reason, m.loop.removeprefix("not graphable: ")} - {""}

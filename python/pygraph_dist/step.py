@@ -39,6 +39,9 @@ class IterationStep:
         skip_nonfinite: bool = False,
     ) -> None:
         self.module = module
+        # What the model call runs: the module, or its torch.compile'd callable
+        # (wrap(compile=...), compiled.py).
+        self.call = module
         self.optimizer = optimizer
         self.reducer = reducer
         self.amp = amp
@@ -83,13 +86,13 @@ class IterationStep:
     def outputs(self, args, kwargs):
         """What the model call computes: the module's output, or loss_fn's."""
         if self.loss_fn is None:
-            return self.module(*args, **kwargs)
+            return self.call(*args, **kwargs)
         if not args:
             raise TypeError(
                 "with loss_fn=..., call the wrapped model as model(*inputs, target): the last "
                 "positional argument is the target"
             )
-        return self.loss_fn(self.module(*args[:-1], **kwargs), args[-1])
+        return self.loss_fn(self.call(*args[:-1], **kwargs), args[-1])
 
     def forward(self, args, kwargs, *, sync: bool = True, need_loss: bool = True):
         """Buffers, then the outputs under autocast, the reducer armed for the

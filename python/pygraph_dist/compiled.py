@@ -1,0 +1,200 @@
+"""torch.compile inside the graph: ``wrap(model, optimizer, compile=True)``.
+
+pygraph_dist compiles the module's call itself (``torch.compile(module)``, kept
+beside the module: ``model.module`` and the ``state_dict`` keys stay those of
+the uncompiled module) in a mode that emits no CUDA graphs of its own; its
+inductor kernels then run inside pygraph_dist's graphs like any others.
+
+Three things make a compiled module safe to capture, and are handled here:
+
+* CUDA graphs of its own (``mode="reduce-overhead"``, ``max-autotune``,
+  ``options={"triton.cudagraphs": True}``) cannot run inside another capture:
+  ``compile=`` switches them off with a warning; a module the user compiled
+  that way is refused with the change to make.
+* AOTAutograd's *donated buffers* (saved activations the compiled backward may
+  overwrite) forbid ``backward(retain_graph=True)``, which tier 2 uses to
+  capture its backward variants: ``torch._functorch.config.donated_buffer``
+  is set to False when a compiled module is wrapped.
+* Compile time: dynamo's compile callbacks time every compilation
+  (recompilations for new input shapes included) for ``report()``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+COMPILE_KEYS = ("mode", "options", "dynamic", "fullgraph", "backend")
+_CUDAGRAPH_MODES = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def compile_kwargs(spec) -> dict | None:
+    """``torch.compile`` keyword arguments from ``wrap(compile=...)``: None when
+    off. Modes and options that add CUDA graphs of torch's own are switched to
+    their graph-free counterparts, with a warning that says so."""
+    if spec is None or spec is False:
+        return None
+    if spec is True:
+        return {}
+    if not isinstance(spec, dict):
+        raise TypeError(f"compile={spec!r}: pass True, or a dict of torch.compile arguments "
+                        f"({', '.join(COMPILE_KEYS)}), e.g. compile={{'mode': 'max-autotune-no-cudagraphs'}}")
+    unknown = sorted(set(spec) - set(COMPILE_KEYS))
+    if unknown:
+        raise TypeError(f"compile={{...}} got {', '.join(map(repr, unknown))}: the arguments taken are "
+                        f"those of torch.compile: {', '.join(COMPILE_KEYS)}")
+    kw = dict(spec)
+    mode = kw.get("mode")
+    if mode in _CUDAGRAPH_MODES:
+        new = _CUDAGRAPH_MODES[mode]
+        warnings.warn(
+            f"wrap(compile={{'mode': {mode!r}}}): that mode records CUDA graphs of torch.compile's own, "
+            f"which cannot run inside pygraph_dist's graph (it already captures the whole iteration); "
+            f"compiling with mode={new!r} instead.", UserWarning, stacklevel=3)
+        if new is None:
+            kw.pop("mode")
+        else:
+            kw["mode"] = new
+    options = kw.get("options")
+    if options and options.get("triton.cudagraphs"):
+        warnings.warn(
+            "wrap(compile={'options': {'triton.cudagraphs': True}}): CUDA graphs of torch.compile's own "
+            "cannot run inside pygraph_dist's graph; compiling with triton.cudagraphs=False.",
+            UserWarning, stacklevel=3)
+        kw["options"] = {**options, "triton.cudagraphs": False}
+    return kw
+
+
+def _compiler_config(module: torch.nn.Module) -> dict | None:
+    """The inductor configuration a compiled module was compiled with, or None
+    when it is not compiled (or its backend says nothing)."""
+    ctx = getattr(module, "dynamo_ctx", None)  # torch.compile(module) -> OptimizedModule
+    if ctx is not None:
+        return getattr(ctx, "compiler_config", None) or {}
+    impl = getattr(module, "_compiled_call_impl", None)  # module.compile() in place
+    if impl is not None:
+        get = getattr(impl, "get_compiler_config", None)
+        return (get() if callable(get) else None) or {}
+    return None
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    return _compiler_config(module) is not None
+
+
+def check_compiled_module(module: torch.nn.Module, compile_spec) -> None:
+    """A module compiled by the user: refuse CUDA graphs of its own (and a
+    second compilation through ``compile=``) with the change to make."""
+    cfg = _compiler_config(module)
+    if cfg is None:
+        return
+    how = ("torch.compile(model, ...)" if getattr(module, "dynamo_ctx", None) is not None
+           else "model.compile(...)")
+    if compile_spec not in (None, False):
+        raise ValueError(
+            f"the model is already compiled ({how}) and wrap() was also given compile=...: pass the "
+            "uncompiled model with compile=..., or the compiled one without it.")
+    if cfg.get("triton.cudagraphs"):
+        raise ValueError(
+            f"the model was compiled ({how}) with CUDA graphs of torch.compile's own "
+            "(mode='reduce-overhead' or 'max-autotune', or options={'triton.cudagraphs': True}); they "
+            "cannot run inside pygraph_dist's graph, which already captures the whole iteration. Pass "
+            "the uncompiled model with wrap(..., compile=True) (or compile={'mode': "
+            "'max-autotune-no-cudagraphs'}), or compile it in the default mode.")
+
+
+def compile_module(module: torch.nn.Module, kw: dict):
+    """The compiled callable for the module (the module itself is unchanged)."""
+    return torch.compile(module, **kw)
+
+
+def disable_donated_buffers() -> bool:
+    """Turn AOTAutograd's donated buffers off for the process: tier 2 captures
+    its backward variants with ``retain_graph=True``, which a backward compiled
+    with donated buffers refuses. Process-wide because the backward is compiled
+    lazily, at the first ``backward()`` (the user's, outside any wrap call), and
+    reads the flag then. Costs the compiled backward some memory reuse. True if
+    it was on."""
+    try:
+        import torch._functorch.config as functorch_config
+    except ImportError:  # pragma: no cover - torch without functorch config
+        return False
+    if not getattr(functorch_config, "donated_buffer", False):
+        return False
+    functorch_config.donated_buffer = False
+    return True
+
+
+# ------------------------------------------------------------ compile time
+@dataclass
+class CompileStats:
+    """Compilations seen while an engine ran (dynamo's compile callbacks)."""
+
+    compilations: int = 0     # dynamo frame compilations (graphs breaks add some)
+    backward: int = 0         # lazily compiled backward graphs
+    seconds: float = 0.0      # wall time in compilation, backward included
+    after_first: int = 0      # compilations after the engine's first iteration: recompiles
+
+
+class _Timer:
+    """Process-wide: dynamo's callbacks are global; each interval is booked to
+    the engine that last ran a model call (``current``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.installed = False
+        self.current = None  # (CompileStats, is_first_iteration: callable) of the active engine
+        self.started = 0.0
+
+    def install(self) -> bool:
+        with self.lock:
+            if self.installed:
+                return True
+            try:
+                from torch._dynamo.callback import callback_handler
+            except ImportError:
+                return False
+            callback_handler.register_start_callback(self._start)
+            callback_handler.register_end_callback(self._end)
+            self.installed = True
+            return True
+
+    def _start(self, *args) -> None:
+        self.started = time.perf_counter()
+
+    def _end(self, *args) -> None:
+        cur = self.current
+        if cur is None:
+            return
+        stats, first = cur
+        trigger = getattr(args[0], "callback_trigger", None) if args else None
+        name = getattr(trigger, "name", "")
+        stats.seconds += time.perf_counter() - self.started
+        if name == "LAZY_BACKWARD":
+            stats.backward += 1
+        elif name in ("", "DYNAMO"):
+            stats.compilations += 1
+            if not first():
+                stats.after_first += 1
+
+
+TIMER = _Timer()
+
+
+def describe(kw: dict | None, stats: CompileStats, user_compiled: bool) -> str:
+    """The report's compile line ('' when nothing is compiled)."""
+    if kw is None and not user_compiled:
+        return ""
+    what = "compiled by the user" if kw is None else (
+        "torch.compile(" + ", ".join(f"{k}={v!r}" for k, v in kw.items()) + ")" if kw else "torch.compile()")
+    line = (f"{what}: {stats.compilations} compilation(s)"
+            + (f" + {stats.backward} backward" if stats.backward else "")
+            + f", {stats.seconds:.1f} s")
+    if stats.after_first:
+        line += (f"; {stats.after_first} after the first iteration (recompiles: new input shapes or "
+                 "failed guards; TORCH_LOGS=recompiles says which)")
+    return line
