@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from torch import nn
 import pygraph_dist as pgd
 
 from common import MLP, adamw, data, device, flat_params, gpu_model, max_diff, ranks_agree, train
-from conftest import run_ranks
+from conftest import ROOT, child_env, free_port, run_ranks
 
 
 def gpu_equivalence(amp="fp32", steps=50, dropout=0.1):
@@ -307,3 +308,20 @@ def test_loop_checks_on_gpu(ranks):
     assert "after graphs were captured" in r["after_capture_error"], r
     phase, recaptures, replays, reason = r["sgd_lr_change"]
     assert phase == "replay" and recaptures == 1 and replays >= 8, r["sgd_lr_change"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loop", ["inside", "outside"])
+def test_soak_10k_replays_memory_flat(tmp_path, loop):
+    # Issue 13: allocated, reserved and host RSS within 1 MiB between replay 1k and 10k.
+    out = tmp_path / "soak.json"
+    env = child_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--replays", "10000",
+                        "--loop", loop, "--out", str(out)], env=env, cwd=str(ROOT),
+                       capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["tiers"] == (["1"] if loop == "inside" else ["2"]), r
+    assert r["replays_per_model"]["watched"] >= 10_000, r["replays_per_model"]
+    assert r["all_flat"], f"memory grew between 1k and 10k replays: {r['growth_mib_from_1k']} MiB\n{p.stdout}"
