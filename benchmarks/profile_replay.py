@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pygraph_dist as pgd  # noqa: E402
 from workloads import REGISTRY, build_on  # noqa: E402
 
-OPTIMIZER_HINTS = ("adam", "multi_tensor", "foreach", "fused_")
+OPTIMIZER_HINTS = ("multi_tensor_apply", "adam", "foreach")  # not triton_*_fused_*: inductor's own
 GEMM_HINTS = ("gemm", "sm90", "sm80", "cutlass", "cublas", "nvjet", "xmma", "ampere", "hopper")
 
 
@@ -45,7 +45,7 @@ def category(name: str) -> str:
     n = name.lower()
     if "nccl" in n:
         return "nccl"
-    if any(h in n for h in OPTIMIZER_HINTS):
+    if not n.startswith("triton_") and any(h in n for h in OPTIMIZER_HINTS):
         return "optimizer"
     if any(h in n for h in GEMM_HINTS):
         return "gemm"
