@@ -128,11 +128,46 @@ def test_rank_without_world_size_fails_clearly(tmp_path):
     assert "WORLD_SIZE" in out and "LaunchError" in out
 
 
+def _mpi4py_library() -> str:
+    """The MPI library mpi4py loads (MPI_Get_library_version, callable before
+    MPI_Init), asked in a child so that this process never initialises MPI;
+    '' when mpi4py cannot load one. (PyPI's mpi4py loads whichever libmpi it
+    finds, which need not be the mpirun on PATH.)"""
+    code = ("import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
+            "print(MPI.Get_library_version().splitlines()[0])")
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           env=child_env())
+    except subprocess.TimeoutExpired:
+        return ""
+    return p.stdout.strip() if p.returncode == 0 else ""
+
+
+def _mpirun_flavour(mpirun: str) -> str:
+    try:
+        p = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    out = p.stdout + p.stderr
+    return "Open MPI" if "Open MPI" in out or "OpenRTE" in out else ("MPICH" if "HYDRA" in out else out[:80])
+
+
+def _need_open_mpi_mpi4py() -> str:
+    """These tests use Open MPI's variables and mpirun: skip, naming what was
+    found, where mpi4py is linked to another MPI (as Debian's python3-mpi4py is
+    not, but a pip-installed mpi4py can be)."""
+    pytest.importorskip("mpi4py")
+    lib = _mpi4py_library()
+    if "Open MPI" not in lib:
+        pytest.skip(f"needs an mpi4py linked to Open MPI; this one loads {lib or 'no MPI library'!r}")
+    return lib
+
+
 @pytest.mark.mpi
 def test_mpi4py_linked_to_another_mpi(tmp_path):
     """An MPICH-style launch (PMI_* variables) of a process whose mpi4py is Open MPI's:
     mpi4py comes up as a singleton. init() must refuse instead of training as rank 0 of 1."""
-    pytest.importorskip("mpi4py")
+    _need_open_mpi_mpi4py()
     code, out, took = _single(tmp_path, {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"})
     assert code == 3, out
     assert "mpi4py is linked to a different MPI" in out
@@ -142,10 +177,12 @@ def test_mpi4py_linked_to_another_mpi(tmp_path):
 @pytest.mark.mpi
 def test_mpirun_two_ranks(tmp_path):
     """A real `mpirun -np 2` with no MASTER_ADDR: rendezvous through mpi4py's broadcast."""
-    pytest.importorskip("mpi4py")
+    lib = _need_open_mpi_mpi4py()
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         pytest.skip("mpirun not installed")
+    if _mpirun_flavour(mpirun) != "Open MPI":
+        pytest.skip(f"needs Open MPI's mpirun (mpi4py loads {lib!r}); {mpirun} is {_mpirun_flavour(mpirun)!r}")
     import json
 
     env = child_env(PYTHONPATH=str(ROOT / "tests" / "python"))
