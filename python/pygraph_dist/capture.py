@@ -139,20 +139,33 @@ class GraphRunner:
                 group=self.group, device=self.agree_device)
             for b in failed:
                 self.reducer.set_eager(b, f"its all-reduce failed capture: {verdict.reason}")
-            entry.policy.capture_failed(verdict.reason, bool(failed) or not verdict.final)
-            nxt = "will retry after warm-up" if entry.policy.phase != Phase.EAGER else "running eagerly"
-            self.cache.event(entry, iteration, "capture failed", f"{verdict.reason} ({nxt})")
-            if self.rank == 0 or error is not None:
-                logger.warning("capture for inputs [%s] failed on %s: %s",
-                               entry.description, "this rank" if error is not None else "another rank",
-                               f"{verdict.reason}; {nxt}")
+            self.capture_failed(entry, iteration, verdict.reason, bool(failed) or not verdict.final,
+                                local_error=error is not None)
             return self.run_owned(static)
 
-        pool_bytes = agreement.agreed_max([torch.cuda.memory_reserved(self.device) - reserved0],
-                                          group=self.group, device=self.agree_device)[0]
         entry.graph = graph
         entry.step_graph = step_graph
         entry.static_result = static_result
+        if not self.accept_capture(entry, fingerprint, reserved0, state_version, iteration):
+            return self.run_owned(static)  # did not fit the memory cap
+        with torch.cuda.stream(step.stream):
+            self.launch(entry)  # capture records without running: this performs the iteration
+        torch.cuda.synchronize(self.device)
+        entry.setup_s = time.perf_counter() - (entry.first_seen_s or t0)
+        self.captured_event(entry, iteration)
+        if self.rank == 0:
+            logger.info("captured [%s]: %s, capture %.0f ms, setup %.2f s",
+                        entry.description, entry.collectives, entry.capture_s * 1e3, entry.setup_s)
+        return static_result
+
+    # Bookkeeping both tiers share (split.SplitGraphs.capture is the other caller).
+    def accept_capture(self, entry: GraphEntry, fingerprint, reserved0: int, state_version: int,
+                       iteration: int) -> bool:
+        """A capture every rank agreed on: its collectives, pool size (max over
+        ranks), the drift snapshot, the policy, the cache's limits. False when
+        the entry did not fit the memory cap (it then runs eagerly)."""
+        pool_bytes = agreement.agreed_max([torch.cuda.memory_reserved(self.device) - reserved0],
+                                          group=self.group, device=self.agree_device)[0]
         entry.collectives = (fingerprint.describe(4) if fingerprint is not None
                              else "not recorded (stock backend)")
         entry.n_collectives = len(fingerprint) if fingerprint is not None else -1
@@ -163,20 +176,23 @@ class GraphRunner:
         entry.policy.capture_succeeded()
         self.cache.captured_any = True
         self.cache.enforce_limits(entry, iteration)
-        if not entry.live:  # did not fit the memory cap
-            return self.run_owned(static)
-        with torch.cuda.stream(step.stream):
-            self.launch(entry)  # capture records without running: this performs the iteration
-        torch.cuda.synchronize(self.device)
-        entry.setup_s = time.perf_counter() - (entry.first_seen_s or t0)
-        segments = entry.segments(self.reducer.kinds)
+        return entry.live
+
+    def captured_event(self, entry: GraphEntry, iteration: int) -> None:
         self.cache.event(entry, iteration, "captured",
-                         f"{entry.collectives}; {segments}; capture {entry.capture_s * 1e3:.0f} ms, "
-                         f"pool {entry.pool_bytes / 2**20:.1f} MiB")
-        if self.rank == 0:
-            logger.info("captured [%s]: %s, capture %.0f ms, setup %.2f s",
-                        entry.description, entry.collectives, entry.capture_s * 1e3, entry.setup_s)
-        return static_result
+                         f"{entry.collectives}; {entry.segments(self.reducer.kinds)}; capture "
+                         f"{entry.capture_s * 1e3:.0f} ms, pool {entry.pool_bytes / 2**20:.1f} MiB")
+
+    def capture_failed(self, entry: GraphEntry, iteration: int, reason: str, retry: bool, *,
+                       local_error: bool, what: str = "capture") -> None:
+        """A capture that failed on some rank (agreed): the policy, the event
+        log, and one warning (rank 0, or the rank where it failed)."""
+        entry.policy.capture_failed(reason, retry)
+        nxt = "will retry after warm-up" if entry.policy.phase != Phase.EAGER else "running eagerly"
+        self.cache.event(entry, iteration, "capture failed", f"{reason} ({nxt})")
+        if self.rank == 0 or local_error:
+            logger.warning("%s for inputs [%s] failed on %s: %s; %s", what, entry.description,
+                           "this rank" if local_error else "another rank", reason, nxt)
 
     def _record(self, entry: GraphEntry, graph, static, pool):
         """Record the iteration: one graph, or forward+backward and step graphs."""

@@ -49,10 +49,8 @@ import torch.utils._pytree as pytree
 from torch.autograd import Variable
 
 from . import agreement
-from ._ext import C
 from .capture import _bucket_error, describe_capture_error, varying_paths
 from .graph_cache import GraphEntry, discard
-from .optim import snapshot_hyperparams
 from .step import map_outputs
 
 logger = logging.getLogger("pygraph_dist")
@@ -248,43 +246,24 @@ class SplitGraphs:
                 verdict_reason = f"{verdict.reason} (tier 2 keeps every bucket in the graph)"
             else:
                 verdict_reason = verdict.reason
-            entry.policy.capture_failed(verdict_reason, not verdict.final)
-            nxt = "will retry after warm-up" if entry.policy.phase != C.Phase.EAGER else "running eagerly"
-            runner.cache.event(entry, iteration, "capture failed", f"{verdict_reason} ({nxt})")
-            if runner.rank == 0 or error is not None:
-                logger.warning("tier-2 capture for inputs [%s] failed on %s: %s; %s", entry.description,
-                               "this rank" if error is not None else "another rank", verdict_reason, nxt)
+            runner.capture_failed(entry, iteration, verdict_reason, not verdict.final,
+                                  local_error=error is not None, what="tier-2 capture")
             return False
 
-        pool_bytes = agreement.agreed_max([torch.cuda.memory_reserved(device) - reserved0],
-                                          group=runner.group, device=runner.agree_device)[0]
         entry.tier = 2
         entry.graph = fwd
         entry.step_graph = graphs.pop("step")
         entry.bwd_graphs = graphs
         detached = map_outputs(out, lambda t: t.detach())  # no autograd graph kept
-        entry.static_result = (None, detached)
         entry.out_template = detached
         entry.static_outs = output_tensors(detached)
         entry.diff_mask = diff
         entry.static_grads = static_grads
-        entry.collectives = (fingerprint.describe(4) if fingerprint is not None
-                             else "not recorded (stock backend)")
-        entry.n_collectives = len(fingerprint) if fingerprint is not None else -1
-        entry.pool_bytes = max(0, pool_bytes)
-        entry.drift.hyperparams = snapshot_hyperparams(runner.optimizer)
-        entry.drift.param_ptrs = [p.data_ptr() for p in reducer.params]
-        entry.drift.state_version = state_version
         entry.selection = "kept (tier 2 is not timed against eager)"
-        entry.policy.capture_succeeded()
-        runner.cache.captured_any = True
-        runner.cache.enforce_limits(entry, iteration)
-        if not entry.live:
+        if not runner.accept_capture(entry, fingerprint, reserved0, state_version, iteration):
             return False
         entry.setup_s = time.perf_counter() - (entry.first_seen_s or t0)
-        runner.cache.event(entry, iteration, "captured",
-                           f"{entry.collectives}; {entry.segments(reducer.kinds)}; capture "
-                           f"{entry.capture_s * 1e3:.0f} ms, pool {entry.pool_bytes / 2**20:.1f} MiB")
+        runner.captured_event(entry, iteration)
         if runner.rank == 0:
             logger.info("captured tier 2 [%s]: %s, capture %.0f ms", entry.description,
                         entry.collectives, entry.capture_s * 1e3)

@@ -8,13 +8,14 @@ check is ``python tests/python/exit_stress.py --n 500``.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, child_env, free_port
 
 N_EXITS = 18  # 9 jobs of 2 ranks: each mode once; about a minute on 2 cores
 
@@ -31,26 +32,31 @@ def test_exits_never_abort():
     assert f"{N_EXITS} process exits" in summary and ": 0 aborted" in summary, summary
 
 
+def _two_ranks(case: str, out: Path) -> list[dict]:
+    """Run a faults_workers.py case as 2 Gloo ranks; each rank's JSON result."""
+    worker = Path(__file__).with_name("faults_workers.py")
+    port = str(free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, str(worker), case, "--out", str(out), "--backend", "pgd"],
+        env=child_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, CUDA_VISIBLE_DEVICES=""),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT)) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"{case}: ranks did not finish within 120 s\n" + "\n".join(p.communicate()[0] for p in procs))
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
 def test_collective_works_hold_no_python_objects(tmp_path):
     """The cause of the abort: a Work issued during backward captured the Python
     object torch's backward keeps in C++ thread-local storage, and a Gloo worker
     thread destroyed it (taking the GIL) while the interpreter was finalizing.
     Through pygraph_dist's backend the Work holds none (torch's stock Gloo: 1)."""
-    import json
-
-    from conftest import child_env, free_port
-
-    worker = Path(__file__).with_name("faults_workers.py")
-    port = str(free_port())
-    procs = [subprocess.Popen(
-        [sys.executable, str(worker), "mode_capture", "--out", str(tmp_path), "--backend", "pgd"],
-        env=child_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, CUDA_VISIBLE_DEVICES=""),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT)) for r in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
-    for r in range(2):
-        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+    for res in _two_ranks("mode_capture", tmp_path):
         assert res["backend"] == "pgd_gloo", res
         assert res["held_tls"] == 0, res
         assert res["held_mode"] == 0, res
@@ -62,19 +68,5 @@ def test_shutdown_leaves_no_gloo_threads(tmp_path):
     drop a Work's tensors (taking the GIL) during interpreter exit, although
     the optimizer, created after init(), imported torch._dynamo (which pins a
     default group that exists when it is imported)."""
-    import json
-
-    from conftest import child_env, free_port
-
-    worker = Path(__file__).with_name("faults_workers.py")
-    port = str(free_port())
-    procs = [subprocess.Popen(
-        [sys.executable, str(worker), "shutdown_joins", "--out", str(tmp_path), "--backend", "pgd"],
-        env=child_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, CUDA_VISIBLE_DEVICES=""),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT)) for r in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
-    for r in range(2):
-        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+    for res in _two_ranks("shutdown_joins", tmp_path):
         assert res["gloo_threads"] == 0, res
