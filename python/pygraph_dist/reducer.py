@@ -16,7 +16,7 @@ plain autograd hooks and c10d calls, so a capture records exactly its kernels:
   when autograd accumulated into the bucket view already, which saves one
   kernel per parameter per backward (profile_replay.py: 126 of an MLP's 696
   kernels per iteration, 6-8% of its GPU time). Gloo has no AVG: CPU keeps the
-  multiply;
+  multiply, except at world size 1, where there is nothing to divide;
 * a full bucket is all-reduced asynchronously, strictly in bucket order, so
   every rank issues the same collectives in the same order whatever order its
   gradients arrive in (DDP's ``next_bucket_`` rule); NCCL runs it on its own
@@ -145,8 +145,10 @@ class GradientReducer:
         ]
         self.views: list[torch.Tensor | None] = [None] * len(self.params)
         self.bucket_of: list[int] = list(self.plan.bucket_of_param)
-        # 1/world_size inside the all-reduce (NCCL's AVG) rather than per parameter.
+        # 1/world_size inside the all-reduce (NCCL's AVG) rather than per
+        # parameter; at world size 1 there is nothing to divide (x * 1.0 == x).
         self.avg_in_collective = self.world_size > 1 and _backend_averages(self.group, devices)
+        self.scale_in_hook = self.world_size > 1 and not self.avg_in_collective
         for i, p in enumerate(self.params):
             b = self.bucket_of[i]
             if b >= 0 and self.buffers[b] is not None:
@@ -246,7 +248,7 @@ class GradientReducer:
         if not grad.is_sparse:
             view = self.views[index]
             in_view = grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride()
-            if self.avg_in_collective:  # the all-reduce divides
+            if not self.scale_in_hook:  # the all-reduce divides, or world size 1
                 if not in_view:
                     view.copy_(grad)
             elif in_view:
