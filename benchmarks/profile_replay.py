@@ -10,7 +10,7 @@ under torch.profiler with CUDA activities. From the kernel timeline, per
 iteration:
 
   kernels      GPU kernels per iteration (and per category: gemm, nccl,
-               optimizer, elementwise/other)
+               optimizer, copy (Memcpy/Memset), elementwise/other)
   span         first kernel start to last kernel end
   busy         union of all kernel intervals
   gaps         span - busy: the GPU idle between kernels inside the graph
@@ -43,6 +43,8 @@ GEMM_HINTS = ("gemm", "sm90", "sm80", "cutlass", "cublas", "nvjet", "xmma", "amp
 
 def category(name: str) -> str:
     n = name.lower()
+    if n.startswith(("memcpy", "memset")):  # device-to-device copies and fills
+        return "copy"
     if "nccl" in n:
         return "nccl"
     if not n.startswith("triton_") and any(h in n for h in OPTIMIZER_HINTS):
@@ -113,8 +115,7 @@ def profile_workload(name: str, batch: int | None, iters: int, compile_: bool, d
             step()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and getattr(e, "time_range", None) is not None and e.time_range.elapsed_us() > 0
-               and not e.name.startswith(("Memcpy", "Memset"))]
+               and getattr(e, "time_range", None) is not None and e.time_range.elapsed_us() > 0]
     ivals = [(e.time_range.start, e.time_range.end) for e in kernels]
     by_cat: dict[str, list] = defaultdict(list)
     totals: dict[str, float] = defaultdict(float)
@@ -140,6 +141,7 @@ def profile_workload(name: str, batch: int | None, iters: int, compile_: bool, d
             "optimizer": per(union(by_cat.get("optimizer", []))),
             "gemm": per(union(by_cat.get("gemm", []))),
             "other": per(union(by_cat.get("other", []))),
+            "copy": per(union(by_cat.get("copy", []))),
         },
         "top_kernels": [{"name": n[:120], "us_per_iter": per(t), "calls_per_iter": per(counts[n]),
                          "category": category(n)}
@@ -147,7 +149,8 @@ def profile_workload(name: str, batch: int | None, iters: int, compile_: bool, d
     }
     u = result["us_per_iter"]
     items = {"GPU idle between kernels (gaps)": u["gaps"], "exposed all-reduce": u["exposed_allreduce"],
-             "optimizer kernels": u["optimizer"], "matmuls": u["gemm"], "other kernels": u["other"]}
+             "optimizer kernels": u["optimizer"], "matmuls": u["gemm"], "other kernels": u["other"],
+             "copies": u["copy"]}
     result["largest_item"] = max(items, key=items.get)
     model.engine.teardown()
     return result
@@ -184,7 +187,8 @@ def main() -> int:
                   + ", ".join(f"{c} {n:.0f}" for c, n in sorted(res["kernels_per_iter_by_category"].items()))
                   + f"; span {u['span']:.0f} us, busy {u['busy']:.0f}, gaps {u['gaps']:.0f}, "
                   f"all-reduce {u['nccl']:.0f} (exposed {u['exposed_allreduce']:.0f}), optimizer "
-                  f"{u['optimizer']:.0f}, matmul {u['gemm']:.0f}, other {u['other']:.0f}; "
+                  f"{u['optimizer']:.0f}, matmul {u['gemm']:.0f}, other {u['other']:.0f}, "
+                  f"copies {u['copy']:.0f}; "
                   f"largest: {res['largest_item']}")
             for k in res["top_kernels"][:6]:
                 print(f"    {k['us_per_iter']:8.1f} us  x{k['calls_per_iter']:<5.0f} {k['category']:<9} {k['name'][:90]}")

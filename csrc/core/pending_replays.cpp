@@ -104,7 +104,7 @@ namespace {
 // istream number extraction compiled into this library called through the
 // wrong locale facet and crashed (SIGSEGV in decode_heartbeat).
 const char* skip_spaces(const char* s) {
-  while (*s == ' ' || *s == '\t') {
+  while (*s == ' ' || *s == '\t' || *s == '\n' || *s == '\r') {
     ++s;
   }
   return s;

@@ -48,6 +48,9 @@ def compile_kwargs(spec) -> dict | None:
         raise TypeError(f"compile={{...}} got {', '.join(map(repr, unknown))}: the arguments taken are "
                         f"those of torch.compile: {', '.join(COMPILE_KEYS)}")
     kw = dict(spec)
+    if kw.get("backend") == "cudagraphs":
+        raise ValueError("compile={'backend': 'cudagraphs'} records CUDA graphs of torch.compile's own, which "
+                         "cannot run inside pygraph_dist's graph: use the default backend (inductor).")
     mode = kw.get("mode")
     if mode in _CUDAGRAPH_MODES:
         new = _CUDAGRAPH_MODES[mode]
@@ -82,25 +85,40 @@ def _compiler_config(module: torch.nn.Module) -> dict | None:
     return None
 
 
+def _compiled_parts(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, dict]]:
+    """(name, submodule, compiler config) of the module and every submodule
+    compiled by torch.compile(...) or .compile()."""
+    out = []
+    for name, m in module.named_modules():
+        cfg = _compiler_config(m)
+        if cfg is not None:
+            out.append((name, m, cfg))
+    return out
+
+
 def is_compiled(module: torch.nn.Module) -> bool:
-    return _compiler_config(module) is not None
+    """The module, or one of its submodules, is compiled."""
+    return bool(_compiled_parts(module))
 
 
 def check_compiled_module(module: torch.nn.Module, compile_spec) -> None:
-    """A module compiled by the user: refuse CUDA graphs of its own (and a
-    second compilation through ``compile=``) with the change to make."""
-    cfg = _compiler_config(module)
-    if cfg is None:
+    """A module compiled by the user (or with compiled submodules): refuse CUDA
+    graphs of their own (and a second compilation through ``compile=``) with
+    the change to make."""
+    parts = _compiled_parts(module)
+    if not parts:
         return
-    how = ("torch.compile(model, ...)" if getattr(module, "dynamo_ctx", None) is not None
-           else "model.compile(...)")
+    name, part, cfg = next(((n, m, c) for n, m, c in parts if c.get("triton.cudagraphs")), parts[0])
+    what = "model" if not name else f"model.{name}"
+    how = (f"torch.compile({what}, ...)" if getattr(part, "dynamo_ctx", None) is not None
+           else f"{what}.compile(...)")
     if compile_spec not in (None, False):
         raise ValueError(
             f"the model is already compiled ({how}) and wrap() was also given compile=...: pass the "
             "uncompiled model with compile=..., or the compiled one without it.")
     if cfg.get("triton.cudagraphs"):
         raise ValueError(
-            f"the model was compiled ({how}) with CUDA graphs of torch.compile's own "
+            f"the model{'' if not name else ' has a submodule that'} was compiled ({how}) with CUDA graphs of torch.compile's own "
             "(mode='reduce-overhead' or 'max-autotune', or options={'triton.cudagraphs': True}); they "
             "cannot run inside pygraph_dist's graph, which already captures the whole iteration. Pass "
             "the uncompiled model with wrap(..., compile=True) (or compile={'mode': "
@@ -115,10 +133,12 @@ def compile_module(module: torch.nn.Module, kw: dict):
 def disable_donated_buffers() -> bool:
     """Turn AOTAutograd's donated buffers off for the process: tier 2 captures
     its backward variants with ``retain_graph=True``, which a backward compiled
-    with donated buffers refuses. Process-wide because the backward is compiled
-    lazily, at the first ``backward()`` (the user's, outside any wrap call), and
-    reads the flag then. Costs the compiled backward some memory reuse. True if
-    it was on."""
+    with donated buffers refuses. Process-wide because on torch 2.11 (the GPU
+    machine) a ``config.patch(donated_buffer=False)`` around the model call
+    alone was not enough: tier-2 capture still failed with torch's
+    donated-buffer error (the flag is also consulted when the backward runs,
+    which for tier 2 is the user's ``backward()``). Costs the compiled backward
+    some memory reuse. True if it was on."""
     try:
         import torch._functorch.config as functorch_config
     except ImportError:  # pragma: no cover - torch without functorch config
@@ -134,10 +154,12 @@ def disable_donated_buffers() -> bool:
 class CompileStats:
     """Compilations seen while an engine ran (dynamo's compile callbacks)."""
 
-    compilations: int = 0     # dynamo frame compilations (graphs breaks add some)
+    compilations: int = 0     # dynamo frame compilations (graph breaks add some)
     backward: int = 0         # lazily compiled backward graphs
     seconds: float = 0.0      # wall time in compilation, backward included
     after_first: int = 0      # compilations after the engine's first iteration: recompiles
+    # Dynamo's callbacks are process-wide: a compilation is booked to the wrapped
+    # model that last ran a call (training or evaluation).
 
 
 class _Timer:
@@ -151,15 +173,15 @@ class _Timer:
         self.started = 0.0
 
     def install(self) -> bool:
+        """Register (again: ``torch._dynamo.reset()`` clears dynamo's callbacks)."""
         with self.lock:
-            if self.installed:
-                return True
             try:
                 from torch._dynamo.callback import callback_handler
             except ImportError:
                 return False
-            callback_handler.register_start_callback(self._start)
-            callback_handler.register_end_callback(self._end)
+            if self._start not in getattr(callback_handler, "start_callbacks", []):
+                callback_handler.register_start_callback(self._start)
+                callback_handler.register_end_callback(self._end)
             self.installed = True
             return True
 
@@ -195,6 +217,6 @@ def describe(kw: dict | None, stats: CompileStats, user_compiled: bool) -> str:
             + (f" + {stats.backward} backward" if stats.backward else "")
             + f", {stats.seconds:.1f} s")
     if stats.after_first:
-        line += (f"; {stats.after_first} after the first iteration (recompiles: new input shapes or "
-                 "failed guards; TORCH_LOGS=recompiles says which)")
+        line += (f"; {stats.after_first} after the first iteration (recompiles: new input shapes, "
+                 "eval or no_grad calls, failed guards; TORCH_LOGS=recompiles says which)")
     return line

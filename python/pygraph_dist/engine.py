@@ -196,12 +196,13 @@ class Engine:
     # ============================================================ one iteration
     def run(self, args: tuple, kwargs: dict):
         """The wrapped model's call: one training iteration (or an evaluation)."""
+        if self.compiled:  # compilations from here on are this model's
+            COMPILE_TIMER.install()
+            COMPILE_TIMER.current = (self.compile_stats, self._first_iteration)
         if not (self.module.training and torch.is_grad_enabled()) or self.closed:
             # Evaluation, or after teardown (no process group left): the module as is.
             return self.step.evaluate(args, kwargs)
         self.reducer.finish_pending()
-        if self.compiled:  # compilations from here on are this model's
-            COMPILE_TIMER.current = (self.compile_stats, self._first_iteration)
         if self.loop.stage is not Stage.IDLE and not self.loop.owned:
             # Another model call in the same optimizer step (gradient accumulation,
             # several forwards): the loop runs as written, as with DDP, its

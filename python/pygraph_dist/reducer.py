@@ -9,14 +9,11 @@ plain autograd hooks and c10d calls, so a capture records exactly its kernels:
   (``plan_buckets``: reverse order, per dtype/device, first bucket small);
 * each parameter's post-accumulate-grad hook writes ``grad / world_size`` into
   its slot of the bucket's flat buffer (DDP multiplies by 1/world_size while
-  copying, ``Reducer::mark_variable_ready_dense``; same arithmetic). On NCCL
-  the 1/world_size goes into the collective instead (``ReduceOp.AVG``, which
-  NCCL runs as a pre-multiplied sum: each rank's values times 1/world_size,
-  then summed, the same arithmetic): the hook only copies, or does nothing
-  when autograd accumulated into the bucket view already, which saves one
-  kernel per parameter per backward (profile_replay.py: 126 of an MLP's 696
-  kernels per iteration, 6-8% of its GPU time). Gloo has no AVG: CPU keeps the
-  multiply, except at world size 1, where there is nothing to divide;
+  copying, ``Reducer::mark_variable_ready_dense``; same arithmetic), except at
+  world size 1, where there is nothing to divide (x * 1.0 == x) and it copies.
+  (NCCL's ``ReduceOp.AVG`` was tried instead: in tier 1 the hook still has to
+  copy a fresh gradient, so nothing was saved, and for bf16 buckets NCCL
+  multiplies by 1/world_size rounded to bf16, 0.2% off at world size 24.);
 * a full bucket is all-reduced asynchronously, strictly in bucket order, so
   every rank issues the same collectives in the same order whatever order its
   gradients arrive in (DDP's ``next_bucket_`` rule); NCCL runs it on its own
@@ -145,10 +142,7 @@ class GradientReducer:
         ]
         self.views: list[torch.Tensor | None] = [None] * len(self.params)
         self.bucket_of: list[int] = list(self.plan.bucket_of_param)
-        # 1/world_size inside the all-reduce (NCCL's AVG) rather than per
-        # parameter; at world size 1 there is nothing to divide (x * 1.0 == x).
-        self.avg_in_collective = self.world_size > 1 and _backend_averages(self.group, devices)
-        self.scale_in_hook = self.world_size > 1 and not self.avg_in_collective
+        self.scale_in_hook = self.world_size > 1  # at 1 there is nothing to divide
         for i, p in enumerate(self.params):
             b = self.bucket_of[i]
             if b >= 0 and self.buffers[b] is not None:
@@ -248,7 +242,7 @@ class GradientReducer:
         if not grad.is_sparse:
             view = self.views[index]
             in_view = grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride()
-            if not self.scale_in_hook:  # the all-reduce divides, or world size 1
+            if not self.scale_in_hook:
                 if not in_view:
                     view.copy_(grad)
             elif in_view:
@@ -282,11 +276,10 @@ class GradientReducer:
 
     def _all_reduce(self, b: int):
         comm = self.comm[b]
-        op = dist.ReduceOp.AVG if self.avg_in_collective else dist.ReduceOp.SUM
         if comm is None:
-            return dist.all_reduce(self.buffers[b], op=op, group=self.group, async_op=True)
-        comm.copy_(self.buffers[b])  # grad / world_size already, or divided by AVG
-        return _CastBack(dist.all_reduce(comm, op=op, group=self.group, async_op=True), comm, self.buffers[b])
+            return dist.all_reduce(self.buffers[b], group=self.group, async_op=True)
+        comm.copy_(self.buffers[b])  # the gradients already hold grad / world_size
+        return _CastBack(dist.all_reduce(comm, group=self.group, async_op=True), comm, self.buffers[b])
 
     def _finalize(self) -> None:
         """End of backward: reduce what is left, wait, expose the reduced grads."""
@@ -430,20 +423,3 @@ def _dense_non_overlapping(t: torch.Tensor) -> bool:
         return True
     span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
     return span == t.numel() and all(st >= 0 for st in t.stride())
-
-
-def _backend_averages(group, devices: Sequence[str]) -> bool:
-    """Whether the group's backend for these (CUDA) devices is NCCL, which has
-    ReduceOp.AVG. Gloo (CPU) has not."""
-    if not devices or any(not d.startswith("cuda") for d in devices):
-        return False
-    try:
-        name = str(dist.get_backend(group))
-    except Exception:  # noqa: BLE001 - unknown: keep the multiply
-        return False
-    parts = [p for p in name.split(",") if p]
-    for part in parts:
-        dev, _, backend = part.partition(":")
-        if backend and dev == "cuda":
-            return "nccl" in backend
-    return "nccl" in name and ":" not in name

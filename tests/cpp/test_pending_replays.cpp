@@ -139,7 +139,7 @@ TEST(Heartbeat, RoundTripsAndRejectsGarbage) {
   EXPECT_FALSE(decode_heartbeat("12.5 -3 4").has_value());
   EXPECT_FALSE(decode_heartbeat("12.5 3 4 closed extra").has_value());
   EXPECT_FALSE(decode_heartbeat("nan 3 4").has_value());
-  auto spaced = decode_heartbeat("  12.5  3 4  ");
+  auto spaced = decode_heartbeat("  12.5  3 4 \r\n");
   ASSERT_TRUE(spaced.has_value());
   EXPECT_EQ(spaced->completed, 4u);
   EXPECT_FALSE(back->closed);

@@ -178,3 +178,29 @@ def test_modules_compiled_with_cuda_graphs_are_refused_with_the_fix():
         check_compiled_module(torch.compile(Net()), True)
     check_compiled_module(torch.compile(Net()), False)  # the default mode is welcome
     check_compiled_module(Net(), True)
+
+
+def test_compiled_submodules_count_as_compiled():
+    from pygraph_dist.compiled import is_compiled
+
+    net = Net()
+    assert not is_compiled(net)
+    net.body.compile()
+    assert is_compiled(net)  # donated buffers must go off for it too
+    net.head.compile(mode="reduce-overhead")
+    with pytest.raises(ValueError, match=r"has a submodule that was compiled \(model\.head\.compile"):
+        check_compiled_module(net, False)
+    with pytest.raises(ValueError, match="backend.*cudagraphs"):
+        compile_kwargs({"backend": "cudagraphs"})
+
+
+def test_compile_timer_survives_dynamo_reset():
+    from pygraph_dist.compiled import TIMER
+
+    from torch._dynamo.callback import callback_handler
+
+    assert TIMER.install()
+    torch._dynamo.reset()  # clears dynamo's callbacks (the benchmark resets between modes)
+    assert TIMER._start not in callback_handler.start_callbacks
+    assert TIMER.install()
+    assert TIMER._start in callback_handler.start_callbacks
