@@ -81,3 +81,21 @@ def test_benchmark_harness_smoke(tmp_path):
     assert "ms/it" in p.stdout and "speedup" in p.stdout  # the table, with its column definitions
     assert (tmp_path / "smoke-speedup.png").stat().st_size > 1000
     assert (tmp_path / "smoke-efficiency.png").exists()
+
+
+def test_profile_replay_timeline_arithmetic():
+    # benchmarks/profile_replay.py's reading of a kernel timeline (the GPU run is not testable here).
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import profile_replay as pr
+    finally:
+        sys.path.pop(0)
+    assert pr.union([(0, 2), (1, 3), (5, 6), (5.5, 5.8)]) == 4.0
+    # all-reduce [0,4] overlapped by compute [1,2] and [3,6]: 2 exposed; [5,7] by [3,6]: 1 exposed
+    assert pr.exposed([(0, 4), (5, 7)], [(1, 2), (3, 6)]) == 3.0
+    assert pr.exposed([(0, 1)], []) == 1.0
+    assert pr.category("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "nccl"
+    assert pr.category("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>") == "optimizer"
+    assert pr.category("triton_poi_fused__to_copy_1") == "other"  # inductor's fused kernels are not optimizer
+    assert pr.category("nvjet_sm90_tst_64x32_64x16_4x2_h_bz_NNT") == "gemm"
+    assert pr.category("Memcpy DtoD (Device -> Device)") == "copy"
