@@ -22,19 +22,14 @@ from torch import nn
 import pygraph_dist as pgd
 from pygraph_dist.compiled import check_compiled_module, compile_kwargs
 
-from common import data, device, flat_params, max_diff, ranks_agree
+from common import MLP, data, device, flat_params, max_diff, ranks_agree
 
 
-class Net(nn.Module):
-    """Returns the loss (tier 1) or the logits (``logits=True``: tier 2)."""
+class Net(MLP):
+    """common.MLP returning the loss (tier 1) or the logits (``logits=True``: tier 2)."""
 
     def __init__(self, width=64, depth=3, classes=5, logits=False):
-        super().__init__()
-        layers = []
-        for _ in range(depth):
-            layers += [nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width)]
-        self.body = nn.Sequential(*layers)
-        self.head = nn.Linear(width, classes)
+        super().__init__(width=width, depth=depth, classes=classes)
         self.logits = logits
 
     def forward(self, x, y=None):
