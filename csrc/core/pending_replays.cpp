@@ -90,10 +90,16 @@ void PendingReplays::clear(double now) {
 
 // ---- heartbeats ---------------------------------------------------------
 
+// Wall time travels as integer milliseconds: "%f" and strtod follow
+// LC_NUMERIC, and a process that switched it to a comma-decimal locale would
+// write or read heartbeats no other rank understands.
 std::string encode_heartbeat(const Heartbeat& hb) {
   char buf[96];
-  std::snprintf(buf, sizeof(buf), "%.3f %" PRIu64 " %" PRIu64 "%s", hb.wall_s, hb.armed,
-                hb.completed, hb.closed ? " closed" : "");
+  const uint64_t ms = std::isfinite(hb.wall_s) && hb.wall_s > 0.0
+                          ? static_cast<uint64_t>(std::llround(hb.wall_s * 1000.0))
+                          : 0;
+  std::snprintf(buf, sizeof(buf), "%" PRIu64 " %" PRIu64 " %" PRIu64 "%s", ms,
+                hb.armed, hb.completed, hb.closed ? " closed" : "");
   return buf;
 }
 
@@ -130,17 +136,12 @@ bool parse_u64(const char*& s, uint64_t& v) {
 
 std::optional<Heartbeat> decode_heartbeat(const std::string& text) {
   Heartbeat hb;
-  const char* s = skip_spaces(text.c_str());
-  char* end = nullptr;
-  errno = 0;
-  hb.wall_s = std::strtod(s, &end);
-  if (end == s || errno != 0 || !std::isfinite(hb.wall_s)) {
+  const char* s = text.c_str();
+  uint64_t wall_ms = 0;
+  if (!parse_u64(s, wall_ms) || !parse_u64(s, hb.armed) || !parse_u64(s, hb.completed)) {
     return std::nullopt;
   }
-  s = end;
-  if (!parse_u64(s, hb.armed) || !parse_u64(s, hb.completed)) {
-    return std::nullopt;
-  }
+  hb.wall_s = static_cast<double>(wall_ms) / 1000.0;
   s = skip_spaces(s);
   if (*s != '\0') {
     if (std::strncmp(s, "closed", 6) != 0 || *skip_spaces(s + 6) != '\0') {

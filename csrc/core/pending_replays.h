@@ -97,7 +97,7 @@ class PendingReplays {
 };
 
 // ---- heartbeats ---------------------------------------------------------
-// Each rank's watchdog writes "<wall s> <armed> <completed>[ closed]" under
+// Each rank's watchdog writes "<wall ms> <armed> <completed>[ closed]" under
 // its key every few seconds, and once more with "closed" when it is closed
 // (the engine tore down: the rank left training on purpose); on a timeout the survivor says which ranks were last
 // seen alive and how far each got. Wall-clock time (not monotonic) because

@@ -186,7 +186,7 @@ class ReplayWatchdog:
                 if os.environ.get("PGD_WATCHDOG_HEARTBEATS", "1") == "0":
                     # Opt-out. (They were off by default until the SIGSEGV seen on
                     # the GPU machine was traced to iostream number parsing in
-                    # decode_heartbeat, replaced by strtod/strtoull.)
+                    # decode_heartbeat, replaced by integer parsing.)
                     store = None
             else:
                 store = self._store

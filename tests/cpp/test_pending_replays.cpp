@@ -136,12 +136,15 @@ TEST(Heartbeat, RoundTripsAndRejectsGarbage) {
   EXPECT_FALSE(decode_heartbeat("12.5 3").has_value());
   EXPECT_FALSE(decode_heartbeat("12.5 3 4 extra").has_value());
   EXPECT_FALSE(decode_heartbeat("abc 1 2").has_value());
-  EXPECT_FALSE(decode_heartbeat("12.5 -3 4").has_value());
-  EXPECT_FALSE(decode_heartbeat("12.5 3 4 closed extra").has_value());
+  EXPECT_FALSE(decode_heartbeat("12500 -3 4").has_value());
+  EXPECT_FALSE(decode_heartbeat("12500 3 4 closed extra").has_value());
+  EXPECT_FALSE(decode_heartbeat("12.5 3 4").has_value());  // milliseconds are integers
   EXPECT_FALSE(decode_heartbeat("nan 3 4").has_value());
-  auto spaced = decode_heartbeat("  12.5  3 4 \r\n");
+  auto spaced = decode_heartbeat("  12500  3 4 \r\n");
   ASSERT_TRUE(spaced.has_value());
+  EXPECT_DOUBLE_EQ(spaced->wall_s, 12.5);
   EXPECT_EQ(spaced->completed, 4u);
+  EXPECT_EQ(encode_heartbeat(Heartbeat{12.5, 3, 4}), "12500 3 4");
   EXPECT_FALSE(back->closed);
   hb.closed = true;
   auto closed = decode_heartbeat(encode_heartbeat(hb));
