@@ -125,11 +125,6 @@ def check_compiled_module(module: torch.nn.Module, compile_spec) -> None:
             "'max-autotune-no-cudagraphs'}), or compile it in the default mode.")
 
 
-def compile_module(module: torch.nn.Module, kw: dict):
-    """The compiled callable for the module (the module itself is unchanged)."""
-    return torch.compile(module, **kw)
-
-
 def disable_donated_buffers() -> bool:
     """Turn AOTAutograd's donated buffers off for the process: tier 2 captures
     its backward variants with ``retain_graph=True``, which a backward compiled
@@ -168,21 +163,27 @@ class _Timer:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.installed = False
+        self.handler = None  # dynamo's callback_handler, once imported
         self.current = None  # (CompileStats, is_first_iteration: callable) of the active engine
         self.started = 0.0
 
     def install(self) -> bool:
-        """Register (again: ``torch._dynamo.reset()`` clears dynamo's callbacks)."""
+        """Register (again: ``torch._dynamo.reset()`` clears dynamo's callbacks).
+        Called at every model call of a compiled model, so the registered case
+        is one list lookup, without the lock or the import."""
+        handler = self.handler
+        if handler is not None and self._start in handler.start_callbacks:
+            return True
         with self.lock:
-            try:
-                from torch._dynamo.callback import callback_handler
-            except ImportError:
-                return False
-            if self._start not in getattr(callback_handler, "start_callbacks", []):
-                callback_handler.register_start_callback(self._start)
-                callback_handler.register_end_callback(self._end)
-            self.installed = True
+            if self.handler is None:
+                try:
+                    from torch._dynamo.callback import callback_handler
+                except ImportError:
+                    return False
+                self.handler = callback_handler
+            if self._start not in getattr(self.handler, "start_callbacks", []):
+                self.handler.register_start_callback(self._start)
+                self.handler.register_end_callback(self._end)
             return True
 
     def _start(self, *args) -> None:

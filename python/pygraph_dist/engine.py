@@ -49,7 +49,7 @@ from ._ext import C, graphs_available
 from .amp import ensure_scale_initialised, make_grad_scaler, parse_amp
 from .backend import graph_safe_backend
 from .compiled import TIMER as COMPILE_TIMER
-from .compiled import CompileStats, compile_module, disable_donated_buffers, is_compiled
+from .compiled import CompileStats, disable_donated_buffers, is_compiled
 from .compiled import describe as describe_compile
 from .capture import SELECT_REPLAYS, GraphRunner
 from .config import WrapConfig, check_sparse_support, sparse_param_names
@@ -124,7 +124,7 @@ class Engine:
         # torch.compile inside the graph (compiled.py): ours (compile=...) or the user's.
         self.compile_user = is_compiled(module)
         if config.compile is not None:
-            self.step.call = compile_module(module, config.compile)
+            self.step.call = torch.compile(module, **config.compile)  # the module itself stays as is
         self.compiled = config.compile is not None or self.compile_user
         self.compile_stats = CompileStats()
         if self.compiled:
