@@ -142,7 +142,6 @@ class GradientReducer:
         ]
         self.views: list[torch.Tensor | None] = [None] * len(self.params)
         self.bucket_of: list[int] = list(self.plan.bucket_of_param)
-        self.scale_in_hook = self.world_size > 1  # at 1 there is nothing to divide
         for i, p in enumerate(self.params):
             b = self.bucket_of[i]
             if b >= 0 and self.buffers[b] is not None:
@@ -241,14 +240,14 @@ class GradientReducer:
             )
         if not grad.is_sparse:
             view = self.views[index]
-            in_view = grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride()
-            if not self.scale_in_hook:
-                if not in_view:
-                    view.copy_(grad)
-            elif in_view:
-                view.mul_(1.0 / self.world_size)  # AccumulateGrad accumulated into the view
-            else:
+            divide = self.world_size > 1  # at world size 1 there is nothing to divide
+            if grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride():
+                if divide:
+                    view.mul_(1.0 / self.world_size)  # AccumulateGrad accumulated into the view
+            elif divide:
                 torch.mul(grad, 1.0 / self.world_size, out=view)
+            else:
+                view.copy_(grad)
         self._got_grad[index] = True
         b = self.bucket_of[index]
         self._ready[b] += 1
