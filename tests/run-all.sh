@@ -34,5 +34,11 @@ else
   ./launch/cuda-compile-check.sh
 fi
 
+# Many cores and no pytest arguments: the CPU tests in parallel shards, then the
+# GPU tests alone (tests/run_sharded.py says why). PGD_TEST_JOBS=1: one pytest.
+jobs="${PGD_TEST_JOBS:-$(( $(nproc) / 4 > 8 ? 8 : $(nproc) / 4 ))}"
+if [ "$#" -eq 0 ] && [ "$jobs" -gt 1 ]; then
+  exec "$PY" tests/run_sharded.py --jobs "$jobs"
+fi
 echo "== Python (pytest)" >&2
 exec "$PY" -m pytest tests/python -ra "$@"

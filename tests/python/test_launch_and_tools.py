@@ -99,3 +99,33 @@ def test_profile_replay_timeline_arithmetic():
     assert pr.category("triton_poi_fused__to_copy_1") == "other"  # inductor's fused kernels are not optimizer
     assert pr.category("nvjet_sm90_tst_64x32_64x16_4x2_h_bz_NNT") == "gemm"
     assert pr.category("Memcpy DtoD (Device -> Device)") == "copy"
+
+
+def test_sharded_test_runner_reports_a_failing_file(tmp_path):
+    """run-all.sh's many-core path (tests/run_sharded.py): every file runs, a
+    failing one fails the run and its log is shown, the GPU pass still runs."""
+    (tmp_path / "test_good.py").write_text("def test_a():\n    assert 1 + 1 == 2\n\n\ndef test_b():\n    pass\n")
+    (tmp_path / "test_bad.py").write_text("def test_c():\n    assert 'shown' == 'in the log'\n")
+    (tmp_path / "test_gpu_only.py").write_text(
+        "import pytest\n\n\n@pytest.mark.gpu\ndef test_d():\n    pass\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: x\n    multigpu: x\n")
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "run_sharded.py"), "--jobs", "2", "--dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, env=child_env())
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out
+    assert "test_good.py" in out and "2 passed" in out
+    assert "FAIL" in out and "'shown' == 'in the log'" in out, out
+    assert "CPU tests: 2 passed, 1 failed" in out or "CPU tests: 1 failed, 2 passed" in out, out
+    assert "GPU tests" in out and "FAILED: test_bad.py" in out, out
+
+
+def test_sharded_runner_knows_the_test_files():
+    """Its longest-first list names files that exist (a rename would silently reorder)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import run_sharded
+    finally:
+        sys.path.pop(0)
+    names = {f.name for f in run_sharded.ordered_files()}
+    assert set(run_sharded.LONGEST_FIRST) <= names
+    assert run_sharded.summary_line("x\n==== 3 passed, 1 skipped in 2.0s ====\n") == "3 passed, 1 skipped in 2.0s"
