@@ -69,7 +69,10 @@ Definitions (nccl-tests conventions, NVIDIA/nccl-tests doc/PERFORMANCE.md):
   noise loss  1 - samples/s(noisy) / samples/s(baseline)
   setup       wall time of the mode's setup: model build, wrap/compile, warm-up
               and capture until steady state, synchronised, s
-  memory      peak torch.cuda.max_memory_allocated, max over ranks, GiB
+  memory      peak torch.cuda.max_memory_allocated during the row (setup and
+              timed iterations), max over ranks, GiB; mem_start_gib: what was
+              allocated when the row started (the data batches, and anything an
+              earlier row left behind), so peak - start is the mode's own
 
 The floor (benchmarks/floor.py, measured once per world size before the rows):
   floor       max(compute, comm) + optimizer, a lower bound on ms/it: compute =
@@ -623,6 +626,7 @@ def run_row(row: dict, plan: dict, ctx: dict) -> tuple[list[dict], bool]:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated(dev) / 2**30 if cuda else 0.0
     mode = cls(w, row["loop"], batches, dev, group)
     status, reason = "ok", ""
     t0 = time.perf_counter()
@@ -679,9 +683,10 @@ def run_row(row: dict, plan: dict, ctx: dict) -> tuple[list[dict], bool]:
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else 0.0
     peaks = [None] * ws
     if healthy:
-        dist.all_gather_object(peaks, peak, group=group)
+        dist.all_gather_object(peaks, (peak, start), group=group)
         for c in cells:
-            c["peak_mem_gib"] = max(peaks)
+            c["peak_mem_gib"] = max(p for p, _ in peaks)
+            c["mem_start_gib"] = max(s for _, s in peaks)
     done = {c["condition"] for c in cells}
     cells += [dict(base, condition=c, status="error", reason="not run: the process was unhealthy after an error")
               for c in conditions if c not in done]
@@ -913,6 +918,7 @@ COLUMNS = [  # (name, unit, width): the one header of the table
     ("ms/it", "ms", 8), ("p50", "ms", 8), ("p99", "ms", 8), ("CV", "%", 5), ("samples/s", "1/s", 9),
     ("speedup", "x", 7), ("eff", "%", 4), ("vs_in", "x", 5), ("skew", "ms", 6), ("floor", "ms", 7),
     ("x_floor", "x", 7), ("setup", "s", 6), ("mem", "GiB", 6),
+    ("start", "GiB", 6),
 ]
 
 
@@ -931,7 +937,8 @@ def table(cells: list[dict], env: dict, floors: list[dict] | None = None) -> str
             "# definitions: benchmarks/bench_scaling.py docstring and benchmarks/README.md. ms/it: median of "
             "10-iteration window means of the per-iteration max over ranks;",
             "# speedup: ddp ms/it / ms/it (same loop, N, cond); eff: T(1)/T(N); vs_in: ms/it / inside-loop ms/it; "
-            "skew: mean max-min over ranks; floor: max(compute, comm) + optimizer; x_floor: ms/it / floor",
+            "skew: mean max-min over ranks; floor: max(compute, comm) + optimizer; x_floor: ms/it / floor; "
+            "mem: peak allocated in the row; start: allocated when it started",
             "# " + _row_text([n for n, _, _ in COLUMNS]),
             "# " + _row_text([f"({u})" if u else "" for _, u, _ in COLUMNS])]
     lines = head
@@ -956,7 +963,8 @@ def table(cells: list[dict], env: dict, floors: list[dict] | None = None) -> str
             f"{c['samples_per_s']:.0f}", _fmt(c.get("speedup_vs_ddp"), "{:.2f}"),
             _fmt(c.get("scaling_efficiency"), "{:.0f}", 100), _fmt(c.get("vs_inside"), "{:.2f}"),
             f"{c['skew_ms']:.2f}", _fmt(c.get("floor_ms"), "{:.3f}"), _fmt(c.get("ratio_to_floor"), "{:.2f}"),
-            f"{c['setup_s']:.1f}", f"{c.get('peak_mem_gib', 0):.2f}"]) + ("  " + "; ".join(note) if note else ""))
+            f"{c['setup_s']:.1f}", f"{c.get('peak_mem_gib', 0):.2f}",
+            f"{c.get('mem_start_gib', 0):.2f}"]) + ("  " + "; ".join(note) if note else ""))
     if floors:
         lines += ["", floor_table(floors)]
     return "\n".join(lines)
