@@ -53,6 +53,11 @@ def build_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
             cmd.append("--allow-run-as-root")
         if args.oversubscribe:
             cmd.append("--oversubscribe")
+        if open_mpi_needs_agent():
+            # Open MPI refuses to start even on one host without ssh or rsh
+            # ("plm_rsh_agent: ssh : rsh ... could not be found"); this launcher
+            # starts ranks on this host only, which needs no remote shell.
+            cmd += ["--mca", "plm_rsh_agent", "false"]
         for k in sorted(env) + ["PYTHONPATH", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"]:
             if k in env or k in os.environ:
                 cmd += ["-x", k]
@@ -71,6 +76,15 @@ def build_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
         cmd += ["--export=ALL"]
         return cmd + py, env
     raise SystemExit(f"pygraph-launch: unknown launcher {args.launcher!r}")
+
+
+def open_mpi_needs_agent() -> bool:
+    """Neither ssh nor rsh on PATH, and no launch agent chosen: Open MPI's rsh
+    launcher then fails its start-up, also for ranks on this host only (and so
+    does MPI_Init in a process that mpirun did not start, which starts its own
+    daemon). Containers and minimal images often have no ssh client."""
+    return ("OMPI_MCA_plm_rsh_agent" not in os.environ and shutil.which("ssh") is None
+            and shutil.which("rsh") is None)
 
 
 def _require(program: str) -> str:

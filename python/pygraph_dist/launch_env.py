@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import socket
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -225,6 +226,14 @@ def _validate(e: LaunchEnvironment) -> None:
 
 def _mpi_comm(e: LaunchEnvironment):
     """COMM_WORLD from mpi4py, checked against the launcher's view of the world."""
+    from .launch import open_mpi_needs_agent
+
+    if "mpi4py.MPI" not in sys.modules and open_mpi_needs_agent():
+        # An Open MPI mpi4py in a process its mpirun did not start (an MPICH
+        # launch) initialises as a singleton, which starts a daemon and fails
+        # without ssh/rsh -- an abort instead of the error below. Nothing here
+        # can reach another host without them anyway.
+        os.environ["OMPI_MCA_plm_rsh_agent"] = "false"
     from mpi4py import MPI  # lazy: MPI_Init at import, so only when needed
 
     comm = MPI.COMM_WORLD

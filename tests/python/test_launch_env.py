@@ -163,20 +163,44 @@ def _need_open_mpi_mpi4py() -> str:
     return lib
 
 
+def _path_without_remote_shell(tmp_path) -> str:
+    """A PATH with Open MPI's mpirun and orted and coreutils' false but no ssh or
+    rsh, as in a container without an ssh client (the GPU machine is one)."""
+    bin_dir = tmp_path / "bin-without-ssh"
+    bin_dir.mkdir()
+    for program in ("mpirun", "orted", "false"):
+        found = shutil.which(program)
+        if found is None:
+            pytest.skip(f"{program} is not on PATH")
+        (bin_dir / program).symlink_to(found)
+    return str(bin_dir)
+
+
+REMOTE_SHELL = pytest.mark.parametrize("remote_shell", ["as installed", "no ssh or rsh"])
+
+
 @pytest.mark.mpi
-def test_mpi4py_linked_to_another_mpi(tmp_path):
+@REMOTE_SHELL
+def test_mpi4py_linked_to_another_mpi(tmp_path, remote_shell):
     """An MPICH-style launch (PMI_* variables) of a process whose mpi4py is Open MPI's:
-    mpi4py comes up as a singleton. init() must refuse instead of training as rank 0 of 1."""
+    mpi4py comes up as a singleton. init() must refuse instead of training as rank 0 of 1
+    -- also where Open MPI's singleton start-up would abort for want of ssh."""
     _need_open_mpi_mpi4py()
-    code, out, took = _single(tmp_path, {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"})
+    env = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}
+    if remote_shell == "no ssh or rsh":
+        env["PATH"] = _path_without_remote_shell(tmp_path)
+    code, out, took = _single(tmp_path, env)
     assert code == 3, out
     assert "mpi4py is linked to a different MPI" in out
     assert took < 45
 
 
 @pytest.mark.mpi
-def test_mpirun_two_ranks(tmp_path):
-    """A real `mpirun -np 2` with no MASTER_ADDR: rendezvous through mpi4py's broadcast."""
+@REMOTE_SHELL
+def test_mpirun_two_ranks(tmp_path, monkeypatch, remote_shell):
+    """A real Open MPI launch of 2 ranks with pygraph-launch's command and no
+    MASTER_ADDR: rendezvous through mpi4py's broadcast. Without ssh/rsh on PATH
+    the launcher names a launch agent, without which mpirun does not start."""
     lib = _need_open_mpi_mpi4py()
     mpirun = shutil.which("mpirun")
     if mpirun is None:
@@ -185,12 +209,20 @@ def test_mpirun_two_ranks(tmp_path):
         pytest.skip(f"needs Open MPI's mpirun (mpi4py loads {lib!r}); {mpirun} is {_mpirun_flavour(mpirun)!r}")
     import json
 
+    from pygraph_dist.launch import build_command, parse
+
     env = child_env(PYTHONPATH=str(ROOT / "tests" / "python"))
-    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2",
-           "-x", "PYTHONPATH", sys.executable, str(RANK_MAIN), "test_launch_env:init_only",
-           "--out", str(tmp_path)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=str(ROOT))
-    assert p.returncode == 0, p.stdout + p.stderr
+    if remote_shell == "no ssh or rsh":
+        env["PATH"] = _path_without_remote_shell(tmp_path)
+    for k in ("PATH", "PYTHONPATH"):
+        monkeypatch.setenv(k, env[k])
+    monkeypatch.delenv("OMPI_MCA_plm_rsh_agent", raising=False)
+    cmd, extra = build_command(parse(["--launcher", "mpirun", "-n", "2", "--oversubscribe",
+                                      "--python", sys.executable, str(RANK_MAIN), "test_launch_env:init_only",
+                                      "--out", str(tmp_path)]))
+    assert ("plm_rsh_agent" in cmd) == (remote_shell == "no ssh or rsh"), cmd
+    p = subprocess.run(cmd, env={**env, **extra}, capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert p.returncode == 0, f"{cmd}\n{p.stdout}{p.stderr}"
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["launcher"] == "openmpi" and r["world"] == 2 for r in results)
