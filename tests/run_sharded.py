@@ -8,8 +8,8 @@ has the cores for it (``PGD_TEST_JOBS``, default: one job per 4 cores, at most
 8) and no pytest arguments were given:
 
 1. the CPU tests (``-m "not gpu and not multigpu"``), one pytest per test file,
-   ``--jobs`` files at a time, longest first; a line per finished file, the
-   whole log of a file that failed;
+   ``--jobs`` files at a time, longest first; a line per finished file with
+   its skip reasons, the whole log of a file that failed;
 2. the GPU tests (``-m "gpu or multigpu"``) in one pytest, in the foreground,
    never beside other tests (they share the GPUs and time themselves).
 
@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             for count, word in re.findall(r"(\d+) (passed|failed|skipped|deselected|xfailed|xpassed|errors?)",
                                           line):
                 totals[word] = totals.get(word, 0) + int(count)
+            for skipped in (ln for ln in log.splitlines() if ln.startswith(("SKIPPED", "XFAIL", "XPASS"))):
+                print(f"        {skipped}", flush=True)  # no skip goes unexplained
             if not ok:
                 failed.append(path.name)
                 print(f"---- {path.name} (exit {rc}) ----\n{log}---- end of {path.name} ----", flush=True)
