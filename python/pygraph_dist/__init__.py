@@ -158,7 +158,8 @@ def wrap(
         grad_comm_dtype: ``torch.bfloat16`` all-reduces the fp32 gradient buckets
             in bf16 (half the bytes), written back into the fp32 gradients, inside
             the graph — what DDP's ``bf16_compress_hook`` does. Off by default: it
-            rounds every gradient to bf16's 8 bits of mantissa.
+            rounds every gradient to bf16's 8 bits of mantissa. No effect at world
+            size 1, where nothing is sent.
         compile: ``True`` (or a dict of ``torch.compile`` arguments: mode,
             options, dynamic, fullgraph, backend) runs the module's call through
             ``torch.compile`` inside the graphs: inductor's fused kernels, and

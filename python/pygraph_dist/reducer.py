@@ -133,6 +133,12 @@ class GradientReducer:
             self.kinds.append(SPARSE if sparse_bucket else GRAPH)
         # bf16 compression: a persistent buffer per bucket (static for graphs):
         # cast in, all-reduce, cast back into the fp32 bucket after the wait.
+        # At world size 1 nothing is sent: no casts, no rounding (as the
+        # 1/world_size multiply, skipped there too).
+        if comm_dtype is not None and self.world_size == 1:
+            logger.info("grad_comm_dtype=%s has no effect at world size 1: nothing is sent, the "
+                        "gradients stay in their own dtype", str(comm_dtype).replace("torch.", ""))
+            comm_dtype = None
         self.comm_dtype = comm_dtype
         self.comm: list[torch.Tensor | None] = [
             torch.empty(buf.numel(), dtype=comm_dtype, device=buf.device)

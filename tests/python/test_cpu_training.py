@@ -381,6 +381,29 @@ def test_grad_comm_dtype_refuses_what_it_does_not_offer():
     assert make_config(grad_comm_dtype=torch.float32).grad_comm_dtype is None
 
 
+def bf16_comm_world_size_one(steps=6):
+    """One rank: grad_comm_dtype=bf16 sends nothing, so it must neither cast nor
+    round: bitwise the plain run."""
+    pgd.init()
+    dev = torch.device("cpu")
+    runs = {}
+    for comm in (None, torch.bfloat16):
+        torch.manual_seed(0)
+        base = MLP()
+        model, opt = pgd.wrap(base, torch.optim.SGD(base.parameters(), lr=0.05, momentum=0.9),
+                              grad_comm_dtype=comm)
+        train(model, opt, steps, 0, dev=dev)
+        runs[str(comm)] = (flat_params(model.module), pgd.report().models[-1].buckets)
+    (plain, _), (bf16, buckets) = runs.values()
+    return {"diff": max_diff(plain, bf16), "buckets": buckets}
+
+
+def test_bf16_gradient_allreduce_is_a_no_op_at_world_size_one(ranks):
+    (r,) = ranks("test_cpu_training:bf16_comm_world_size_one", world_size=1, timeout=120)
+    assert r["diff"] == 0.0, r
+    assert "bfloat16" not in r["buckets"], r["buckets"]
+
+
 @pytest.mark.multigpu
 def test_bf16_gradient_allreduce_graphed_on_gpus(ranks):
     """2 GPUs: bf16 all-reduce inside the graph, bitwise equal to graphs=False and
