@@ -835,6 +835,12 @@ def environment() -> dict:
     try:
         env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                        text=True, timeout=10).stdout.strip()
+        # Tracked files that differ from HEAD: local edits, or a shipped copy whose
+        # .git is older than its files (it said f09dd59 for a 1d36a32 tree once).
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=30).stdout.strip()
+        if env["commit"] and changed:
+            env["commit"] += "+modified"
     except (OSError, subprocess.SubprocessError):
         env["commit"] = ""
     # A copy of the tree without .git (e.g. shipped to a GPU host) can say which commit it is.

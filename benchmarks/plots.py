@@ -6,6 +6,7 @@
   <stem>-speedup.png     speedup over eager DDP per mode (inside loop)
   <stem>-floor.png       ms/it / floor per mode (inside loop; log scale; 1 = the floor)
   <stem>-loops.png       ms/it per loop and mode, per workload
+  <stem>-memory.png      peak GPU memory per loop and mode (minus what the row started with), per workload
   <stem>-noisy.png       p50 and p99 ms/it at baseline and under noisy neighbours, per mode
   <stem>-cdf.png         iteration-time CDF with and without host jitter (ddp vs pgd)
 
@@ -93,11 +94,12 @@ def plot_all(result: dict, stem: Path) -> list[Path]:
     bars("ratio_to_floor", "ms/it / floor (1 = the floor)",
          "Distance to the floor max(compute, comm) + optimizer", "floor", 1.0, log=True)
 
-    # Loops: ms/it per loop and mode, one panel per workload that ran more than one loop.
+    # Loops: ms/it and memory per loop and mode, one panel per workload that ran more than one loop.
     loop_wl = [w for w in workloads
                if len({_get(c, "loop") for c in _ok(cells, workload=w, world_size=n_max, condition=cond)}) > 1]
-    if loop_wl:
-        fig, axes = plt.subplots(1, len(loop_wl), figsize=(max(6.0, 4.2 * len(loop_wl)), 3.8), squeeze=False)
+
+    def loop_panels(value, ylabel: str, title: str, suffix: str) -> None:
+        fig, axes = plt.subplots(1, len(loop_wl), figsize=(max(6.0, 4.2 * len(loop_wl) + 2.0), 3.8), squeeze=False)
         for ax, w in zip(axes[0], loop_wl):
             here = _ok(cells, workload=w, world_size=n_max, condition=cond)
             loops = [lp for lp in LOOPS if any(_get(c, "loop") == lp for c in here)]
@@ -107,7 +109,7 @@ def plot_all(result: dict, stem: Path) -> list[Path]:
                 ys = []
                 for lp in loops:
                     hit = [c for c in here if c["mode"] == m and _get(c, "loop") == lp]
-                    ys.append(hit[0]["ms_per_it"] if hit else float("nan"))
+                    ys.append(value(hit[0]) if hit else float("nan"))
                 xs = [j + (i - (len(ms) - 1) / 2) * width for j in range(len(loops))]
                 ax.bar(xs, ys, width, label=MODE_LABELS[m], color=MODE_COLORS[m])
             for j, lp in enumerate(loops):  # rows that did not run: say why in one word
@@ -118,11 +120,19 @@ def plot_all(result: dict, stem: Path) -> list[Path]:
                         ax.text(j + (i - (len(ms) - 1) / 2) * width, 0, bad[0]["status"], rotation=90,
                                 ha="center", va="bottom", fontsize=6)
             ax.set_xticks(range(len(loops)), loops)
-            ax.set_ylabel("ms/it")
+            ax.set_ylabel(ylabel)
             ax.set_title(w, fontsize=9)
-        axes[0][-1].legend(fontsize=6)
-        fig.suptitle(f"Training loops as users write them (N={n_max}, {cond})\n{subtitle}", fontsize=9)
-        save(fig, "loops")
+        axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside, not over, the bars
+        fig.suptitle(f"{title} (N={n_max}, {cond})\n{subtitle}", fontsize=9)
+        save(fig, suffix)
+
+    if loop_wl:
+        loop_panels(lambda c: c["ms_per_it"], "ms/it", "Training loops as users write them", "loops")
+        if any(c.get("peak_mem_gib") for w in loop_wl for c in _ok(cells, workload=w, world_size=n_max)):
+            # The row's own peak: what was allocated when it started (batches,
+            # leftovers of earlier rows) taken off, where the results have it.
+            loop_panels(lambda c: c.get("peak_mem_gib", float("nan")) - c.get("mem_start_gib", 0.0),
+                        "peak GiB (row's own)", "Peak GPU memory per loop, max over ranks", "memory")
 
     # Noisy neighbours: p50 (bars) and p99 (markers), baseline vs noisy, per mode.
     noisy_wl = [w for w in workloads if _ok(cells, workload=w, condition="noisy", world_size=n_max)]
