@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ from .monitor import storage_ptr, watch_host_syncs
 from .optim import make_graph_aware, prepare_optimizer
 from .reducer import GradientReducer
 from .split import SplitGraphs, output_tensors
-from .step import IterationStep, find_loss, map_outputs
+from .step import IterationStep, find_loss, map_outputs, release_side_stream
 from .watchdog import ReplayWatchdog
 
 logger = logging.getLogger("pygraph_dist")
@@ -121,6 +122,10 @@ class Engine:
             broadcast_buffers=config.broadcast_buffers, device=self.device,
             skip_nonfinite=config.skip_nonfinite)
         self.step.sync_module_states()
+        # The side stream goes back to the pool at teardown, or when the engine
+        # is garbage (its graphs go with it), never twice (step.acquire_side_stream).
+        self._release_stream = (weakref.finalize(self, release_side_stream, self.step.stream)
+                                if self.step.stream is not None else None)
         # torch.compile inside the graph (compiled.py): ours (compile=...) or the user's.
         self.compile_user = is_compiled(module)
         if config.compile is not None:
@@ -514,6 +519,8 @@ class Engine:
         self.loop.stop()
         if self.cache.release_all(TORN_DOWN) and torch.cuda.is_available():
             torch.cuda.synchronize(self.device)
+        if self._release_stream is not None:
+            self._release_stream()  # its graphs are destroyed: another model may capture on it
         self.reducer.remove_hooks()
         self.reducer.group = None
         self.group = None

@@ -22,21 +22,27 @@ from .amp import AmpConfig, ScaleGrad
 from .reducer import GradientReducer
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_FREE_SIDE_STREAMS: dict[int, list] = {}
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The one side stream of a device that every wrapped model warms up and
-    captures on. cuBLAS and cuBLASLt keep a workspace per (handle, stream) for
-    the life of the process (torch's CublasHandlePool), so a stream per model
-    left 65 MiB allocated on an H100 for every model wrapped and torn down
-    (benchmark rows, sweeps, tests). Models run one after another on the host;
-    sharing the stream only orders their side-stream work."""
+def acquire_side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A side stream for one wrapped model to warm up and capture on: one that
+    an earlier, torn-down model gave back, else a new one.
+
+    cuBLAS and cuBLASLt keep a workspace per (handle, stream) for the life of
+    the process (torch's CublasHandlePool), so a new stream per model left
+    65 MiB allocated on an H100 (torch 2.11) for every model wrapped and torn
+    down. Two live models never share a stream: newer torch frees a stream's
+    workspaces when any graph captured on it is destroyed (pytorch#193402),
+    which would pull the workspace from under the other model's graphs."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get(index)
-    if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(torch.device("cuda", index))
-    return stream
+    free = _FREE_SIDE_STREAMS.setdefault(index, [])
+    return free.pop() if free else torch.cuda.Stream(torch.device("cuda", index))
+
+
+def release_side_stream(stream: torch.cuda.Stream) -> None:
+    """Give a model's side stream back, once its graphs are destroyed."""
+    _FREE_SIDE_STREAMS.setdefault(stream.device.index, []).append(stream)
 
 
 class IterationStep:
@@ -69,7 +75,7 @@ class IterationStep:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.device = device
-        self.stream = side_stream(device) if device.type == "cuda" else None
+        self.stream = acquire_side_stream(device) if device.type == "cuda" else None
         self.buffers = list(module.buffers()) if broadcast_buffers and self.world_size > 1 else []
         self.sparse_ids = {id(p) for p in reducer.sparse_params}
         # skip_nonfinite: steps skipped because the reduced gradients held inf or

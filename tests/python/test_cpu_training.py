@@ -414,3 +414,32 @@ def test_bf16_gradient_allreduce_graphed_on_gpus(ranks):
         assert g["replays"] > 20, g
         assert g["params"] == e["params"]
         assert g["vs_bf16_ddp"] <= 0.05 * g["bf16_vs_fp32_ddp"] + 1e-6, g
+
+
+def test_side_streams_are_reused_never_shared(monkeypatch):
+    """A wrapped model's side stream comes from a per-device pool: a torn-down
+    model's stream is reused (cuBLAS keeps a workspace per stream for good), two
+    live models never get the same one (newer torch frees a stream's workspace
+    when any graph captured on it is destroyed). Fake streams: no GPU here."""
+    from pygraph_dist import step as step_mod
+
+    class FakeStream:
+        made = 0
+
+        def __init__(self, device):
+            FakeStream.made += 1
+            self.device = device
+
+    monkeypatch.setattr(step_mod.torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(step_mod, "_FREE_SIDE_STREAMS", {})
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    a = step_mod.acquire_side_stream(cuda0)
+    b = step_mod.acquire_side_stream(cuda0)
+    assert a is not b and FakeStream.made == 2
+    step_mod.release_side_stream(b)
+    c = step_mod.acquire_side_stream(cuda0)
+    assert c is b and FakeStream.made == 2          # reused, not a new one
+    d = step_mod.acquire_side_stream(cuda1)
+    assert d.device.index == 1 and FakeStream.made == 3  # per device
+    step_mod.release_side_stream(a)
+    assert step_mod.acquire_side_stream(cuda1) is not a   # device 0's stream stays on device 0

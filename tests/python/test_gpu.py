@@ -334,10 +334,11 @@ def gpu_rewrap_memory():
 
     pgd.init()
     dev = device()
-    allocated, phases = [], []
+    allocated, phases, streams = [], [], []
     for k in range(4):
         base = gpu_model(0, 0.0)
         model, opt = pgd.wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-3))
+        streams.append(model.engine.step.stream.cuda_stream)
         train(model, opt, 16, 0, dev=dev, variant="plain" if k % 2 == 0 else "accumulate")
         rep = pgd.report().models[-1]
         phases.append((rep.graphs[0].tier, rep.graphs[0].phase))
@@ -347,7 +348,7 @@ def gpu_rewrap_memory():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         allocated.append(torch.cuda.memory_allocated(dev) / 2**20)
-    return {"allocated_mib": allocated, "phases": phases}
+    return {"allocated_mib": allocated, "phases": phases, "streams": streams}
 
 
 @pytest.mark.gpu
@@ -355,8 +356,10 @@ def test_wrapping_again_gives_the_memory_back(ranks):
     (r,) = ranks("test_gpu:gpu_rewrap_memory", world_size=1, timeout=300)
     assert [p for _, p in r["phases"]] == ["replay"] * 4, r
     assert {t for t, _ in r["phases"]} == {"1", "2"}, r
+    # Each model reuses the side stream the torn-down one gave back.
+    assert len(set(r["streams"])) == 1, r["streams"]
     a = r["allocated_mib"]
     # The first model may leave once-per-process allocations (cuBLAS workspaces
-    # of the shared side stream); later ones nothing. A stream per model kept
+    # of the side stream); later ones nothing. A new stream per model kept
     # 65 MiB per model on an H100.
     assert a[3] - a[1] <= 1.0, a
