@@ -72,7 +72,8 @@ Definitions (nccl-tests conventions, NVIDIA/nccl-tests doc/PERFORMANCE.md):
   memory      peak torch.cuda.max_memory_allocated during the row (setup and
               timed iterations), max over ranks, GiB; mem_start_gib: what was
               allocated when the row started (the data batches, and anything an
-              earlier row left behind), so peak - start is the mode's own
+              earlier row left behind); mem_own_gib: peak - start per rank,
+              the largest: the mode's own peak
 
 The floor (benchmarks/floor.py, measured once per world size before the rows):
   floor       max(compute, comm) + optimizer, a lower bound on ms/it: compute =
@@ -687,6 +688,7 @@ def run_row(row: dict, plan: dict, ctx: dict) -> tuple[list[dict], bool]:
         for c in cells:
             c["peak_mem_gib"] = max(p for p, _ in peaks)
             c["mem_start_gib"] = max(s for _, s in peaks)
+            c["mem_own_gib"] = max(p - s for p, s in peaks)  # per rank, then the largest
     done = {c["condition"] for c in cells}
     cells += [dict(base, condition=c, status="error", reason="not run: the process was unhealthy after an error")
               for c in conditions if c not in done]
@@ -837,7 +839,8 @@ def environment() -> dict:
                                        text=True, timeout=10).stdout.strip()
         # Tracked files that differ from HEAD: local edits, or a shipped copy whose
         # .git is older than its files (it said f09dd59 for a 1d36a32 tree once).
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                  ":!benchmarks/results"], cwd=ROOT,  # results are data, not code
                                  capture_output=True, text=True, timeout=30).stdout.strip()
         if env["commit"] and changed:
             env["commit"] += "+modified"
@@ -970,7 +973,7 @@ def table(cells: list[dict], env: dict, floors: list[dict] | None = None) -> str
             _fmt(c.get("scaling_efficiency"), "{:.0f}", 100), _fmt(c.get("vs_inside"), "{:.2f}"),
             f"{c['skew_ms']:.2f}", _fmt(c.get("floor_ms"), "{:.3f}"), _fmt(c.get("ratio_to_floor"), "{:.2f}"),
             f"{c['setup_s']:.1f}", f"{c.get('peak_mem_gib', 0):.2f}",
-            f"{c.get('mem_start_gib', 0):.2f}"]) + ("  " + "; ".join(note) if note else ""))
+            _fmt(c.get("mem_start_gib"), "{:.2f}")]) + ("  " + "; ".join(note) if note else ""))
     if floors:
         lines += ["", floor_table(floors)]
     return "\n".join(lines)

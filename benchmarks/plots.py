@@ -128,11 +128,19 @@ def plot_all(result: dict, stem: Path) -> list[Path]:
 
     if loop_wl:
         loop_panels(lambda c: c["ms_per_it"], "ms/it", "Training loops as users write them", "loops")
-        if any(c.get("peak_mem_gib") for w in loop_wl for c in _ok(cells, workload=w, world_size=n_max)):
+        if any("mem_start_gib" in c and c.get("peak_mem_gib")
+               for w in loop_wl for c in _ok(cells, workload=w, world_size=n_max)):
             # The row's own peak: what was allocated when it started (batches,
-            # leftovers of earlier rows) taken off, where the results have it.
-            loop_panels(lambda c: c.get("peak_mem_gib", float("nan")) - c.get("mem_start_gib", 0.0),
-                        "peak GiB (row's own)", "Peak GPU memory per loop, max over ranks", "memory")
+            # leftovers of earlier rows) taken off; results without the start
+            # (older files) are not drawn.
+            def own(c):
+                if "mem_own_gib" in c:
+                    return c["mem_own_gib"]
+                if "mem_start_gib" in c:
+                    return c["peak_mem_gib"] - c["mem_start_gib"]
+                return float("nan")
+
+            loop_panels(own, "peak GiB (row's own)", "Peak GPU memory per loop, max over ranks", "memory")
 
     # Noisy neighbours: p50 (bars) and p99 (markers), baseline vs noisy, per mode.
     noisy_wl = [w for w in workloads if _ok(cells, workload=w, condition="noisy", world_size=n_max)]

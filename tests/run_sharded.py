@@ -42,11 +42,15 @@ def ordered_files(tests: Path = TESTS) -> list[Path]:
     return sorted(files, key=lambda f: rank.get(f.name, len(rank)))
 
 
+SUMMARY = re.compile(r"^=+ (.*) in [\d.]+s( \([\d:]+\))? =+$")
+
+
 def summary_line(log: str) -> str:
-    """pytest's final '== 3 passed, 1 skipped in 12.3s ==' line, without the '='."""
+    """pytest's final '== 3 passed, 1 skipped in 12.3s ==' line, without the '='
+    ('(no summary line)' for a pytest that died before writing one)."""
     for line in reversed(log.splitlines()):
-        if re.search(r"\b(passed|failed|skipped|deselected|error|errors|no tests ran)\b", line):
-            return line.strip("= ")
+        if SUMMARY.match(line.strip()):
+            return line.strip().strip("= ")
     return "(no summary line)"
 
 
@@ -57,7 +61,7 @@ def run_file(path: Path, log_dir: Path) -> tuple[Path, int, str, float]:
         rc = subprocess.call([sys.executable, "-m", "pytest", str(path), "-ra", "-p", "no:cacheprovider",
                               "-m", "not gpu and not multigpu"], stdout=f, stderr=subprocess.STDOUT,
                              cwd=str(HERE.parent))
-    return path, rc, log.read_text(), time.monotonic() - t0
+    return path, rc, log.read_text(errors="replace"), time.monotonic() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             ok = rc in (0, NO_TESTS_COLLECTED)
             print(f"[{n:2d}/{len(files)}] {path.name:34s} {'ok  ' if ok else 'FAIL'} {seconds:6.1f} s  {line}",
                   flush=True)
-            for count, word in re.findall(r"(\d+) (passed|failed|skipped|deselected|xfailed|xpassed|errors?)",
+            for count, word in re.findall(r"(\d+) (passed|failed|skipped|deselected|xfailed|xpassed|errors?)\b",
                                           line):
+                word = "errors" if word == "error" else word
                 totals[word] = totals.get(word, 0) + int(count)
             for skipped in (ln for ln in log.splitlines() if ln.startswith(("SKIPPED", "XFAIL", "XPASS"))):
                 print(f"        {skipped}", flush=True)  # no skip goes unexplained

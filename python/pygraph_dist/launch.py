@@ -78,13 +78,43 @@ def build_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     raise SystemExit(f"pygraph-launch: unknown launcher {args.launcher!r}")
 
 
+_AGENT_VARIABLES = ("OMPI_MCA_plm_rsh_agent", "OMPI_MCA_orte_rsh_agent", "PRTE_MCA_plm_ssh_agent")
+_HOSTFILE_VARIABLES = ("OMPI_MCA_orte_default_hostfile", "OMPI_MCA_rmaps_default_hostfile", "PRTE_MCA_hostfile")
+
+
+def _params_files() -> list[str]:
+    """Open MPI's MCA parameter files: the user's, and the installation's."""
+    files = [os.path.expanduser("~/.openmpi/mca-params.conf"), "/etc/openmpi/openmpi-mca-params.conf"]
+    if os.environ.get("OPAL_PREFIX"):
+        files.append(os.path.join(os.environ["OPAL_PREFIX"], "etc", "openmpi-mca-params.conf"))
+    return files
+
+
+def _configured_in_params_files(names: tuple[str, ...]) -> bool:
+    for path in _params_files():
+        try:
+            with open(path) as f:
+                if any(line.split("=", 1)[0].strip() in names for line in f if "=" in line
+                       and not line.lstrip().startswith("#")):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 def open_mpi_needs_agent() -> bool:
-    """Neither ssh nor rsh on PATH, and no launch agent chosen: Open MPI's rsh
-    launcher then fails its start-up, also for ranks on this host only (and so
-    does MPI_Init in a process that mpirun did not start, which starts its own
-    daemon). Containers and minimal images often have no ssh client."""
-    return ("OMPI_MCA_plm_rsh_agent" not in os.environ and shutil.which("ssh") is None
-            and shutil.which("rsh") is None)
+    """Neither ssh nor rsh on PATH, no launch agent chosen, and no hostfile
+    configured (other hosts): Open MPI's rsh launcher then fails its start-up,
+    also for ranks on this host only (and so does MPI_Init in a process that
+    mpirun did not start, which starts its own daemon). Containers and minimal
+    images often have no ssh client. An agent or hostfile set in the environment
+    or in an MCA parameter file is left alone."""
+    if shutil.which("ssh") is not None or shutil.which("rsh") is not None:
+        return False
+    if any(v in os.environ for v in _AGENT_VARIABLES + _HOSTFILE_VARIABLES):
+        return False
+    return not _configured_in_params_files(("plm_rsh_agent", "orte_rsh_agent", "orte_default_hostfile",
+                                            "rmaps_default_hostfile"))
 
 
 def _require(program: str) -> str:

@@ -228,13 +228,18 @@ def _mpi_comm(e: LaunchEnvironment):
     """COMM_WORLD from mpi4py, checked against the launcher's view of the world."""
     from .launch import open_mpi_needs_agent
 
-    if "mpi4py.MPI" not in sys.modules and open_mpi_needs_agent():
+    set_agent = "mpi4py.MPI" not in sys.modules and open_mpi_needs_agent()
+    if set_agent:
         # An Open MPI mpi4py in a process its mpirun did not start (an MPICH
         # launch) initialises as a singleton, which starts a daemon and fails
         # without ssh/rsh -- an abort instead of the error below. Nothing here
-        # can reach another host without them anyway.
+        # can reach another host without them anyway. Only for MPI_Init.
         os.environ["OMPI_MCA_plm_rsh_agent"] = "false"
-    from mpi4py import MPI  # lazy: MPI_Init at import, so only when needed
+    try:
+        from mpi4py import MPI  # lazy: MPI_Init at import, so only when needed
+    finally:
+        if set_agent:
+            os.environ.pop("OMPI_MCA_plm_rsh_agent", None)
 
     comm = MPI.COMM_WORLD
     if comm.Get_size() != e.world_size or comm.Get_rank() != e.rank:

@@ -117,7 +117,9 @@ def test_sharded_test_runner_reports_a_failing_file(tmp_path):
     assert "test_good.py" in out and "the reason is shown" in out
     assert "FAIL" in out and "'shown' == 'in the log'" in out, out
     assert "CPU tests: 1 passed, 1 skipped, 1 failed" in out or "CPU tests: 1 failed, 1 passed, 1 skipped" in out, out
-    assert "GPU tests" in out and "FAILED: test_bad.py" in out, out
+    assert "GPU tests" in out, out
+    last = [ln for ln in out.splitlines() if ln.startswith("== all tests:")]
+    assert last and last[-1].startswith("== all tests: FAILED: test_bad.py ("), out  # only that file
 
 
 def test_sharded_runner_knows_the_test_files():
@@ -130,3 +132,38 @@ def test_sharded_runner_knows_the_test_files():
     names = {f.name for f in run_sharded.ordered_files()}
     assert set(run_sharded.LONGEST_FIRST) <= names
     assert run_sharded.summary_line("x\n==== 3 passed, 1 skipped in 2.0s ====\n") == "3 passed, 1 skipped in 2.0s"
+    assert run_sharded.summary_line("=== 1 failed, 2 passed in 61.33s (0:01:01) ===") == \
+        "1 failed, 2 passed in 61.33s (0:01:01)"
+    # A pytest that died before its summary: no stray 'passed' line counts.
+    assert run_sharded.summary_line("3 passed checks\nSegmentation fault\n") == "(no summary line)"
+
+
+def test_open_mpi_agent_only_where_nothing_else_is_configured(tmp_path, monkeypatch):
+    """pygraph-launch names `false` as Open MPI's launch agent only with no
+    ssh/rsh on PATH and no agent or hostfile chosen (environment or the user's
+    MCA parameter file): a configured multi-host setup is never overridden."""
+    from pygraph_dist.launch import open_mpi_needs_agent
+
+    empty_bin = tmp_path / "bin"
+    empty_bin.mkdir()
+    monkeypatch.setenv("PATH", str(empty_bin))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for k in ("OMPI_MCA_plm_rsh_agent", "OMPI_MCA_orte_rsh_agent", "PRTE_MCA_plm_ssh_agent",
+              "OMPI_MCA_orte_default_hostfile", "OMPI_MCA_rmaps_default_hostfile", "PRTE_MCA_hostfile",
+              "OPAL_PREFIX"):
+        monkeypatch.delenv(k, raising=False)
+    assert open_mpi_needs_agent()
+    args = parse(["--launcher", "mpirun", "-n", "2", "train.py"])
+    monkeypatch.setattr("shutil.which", lambda p, *a, **k: f"/usr/bin/{p}" if p == "mpirun" else None)
+    cmd, _ = build_command(args)
+    assert cmd[cmd.index("--mca") + 1:cmd.index("--mca") + 3] == ["plm_rsh_agent", "false"], cmd
+
+    monkeypatch.setenv("OMPI_MCA_orte_default_hostfile", str(tmp_path / "hosts"))
+    assert not open_mpi_needs_agent()  # other hosts: leave Open MPI's own error
+    monkeypatch.delenv("OMPI_MCA_orte_default_hostfile")
+    (tmp_path / ".openmpi").mkdir()
+    (tmp_path / ".openmpi" / "mca-params.conf").write_text("# site agent\nplm_rsh_agent = /opt/agent\n")
+    assert not open_mpi_needs_agent()
+    assert "plm_rsh_agent" not in build_command(args)[0]
+    (tmp_path / ".openmpi" / "mca-params.conf").write_text("# plm_rsh_agent = /commented/out\n")
+    assert open_mpi_needs_agent()
