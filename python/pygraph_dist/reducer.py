@@ -24,6 +24,14 @@ plain autograd hooks and c10d calls, so a capture records exactly its kernels:
   a view into its bucket (DDP's ``gradient_as_bucket_view``) — no copy back,
   and every graph of the model shares the same gradient memory.
 
+With ``grad_comm_dtype=torch.bfloat16`` a bucket is sent as a bf16 copy: the
+hook writes ``grad * (1/world_size)`` straight into the bucket's bf16 buffer
+(the product is rounded once, as DDP's ``bf16_compress_hook`` rounds its
+cast; one pass over the gradient instead of two), and on CUDA a side stream
+waits for each bucket's all-reduce and casts it back into the fp32 bucket
+while backward goes on, so only the last bucket's cast-back is left at the
+end of backward.
+
 A parameter that produced no gradient in a backward pass contributes zeros to
 its bucket (its slot is cleared), and its ``.grad`` is still set to the
 reduced value so that every rank applies the same update.
@@ -147,11 +155,19 @@ class GradientReducer:
             for buf in self.buffers
         ]
         self.views: list[torch.Tensor | None] = [None] * len(self.params)
+        # Where a compressed bucket's hook writes grad / world_size (bf16).
+        self.comm_views: list[torch.Tensor | None] = [None] * len(self.params)
         self.bucket_of: list[int] = list(self.plan.bucket_of_param)
         for i, p in enumerate(self.params):
             b = self.bucket_of[i]
             if b >= 0 and self.buffers[b] is not None:
                 self.views[i] = _bucket_view(self.buffers[b], p, self.plan.offset_of_param[i])
+                if self.comm[b] is not None:
+                    self.comm_views[i] = _bucket_view(self.comm[b], p, self.plan.offset_of_param[i])
+        # CUDA cast-backs overlap backward on a stream of their own (made here,
+        # not during a capture).
+        cuda_comm = [c for c in self.comm if c is not None and c.is_cuda]
+        self._cast_stream = torch.cuda.Stream(cuda_comm[0].device) if cuda_comm else None
         for b, kind in enumerate(self.kinds):
             if kind == SPARSE:
                 self.eager_reasons[b] = "sparse gradient (all-gathered; NCCL has no sparse all-reduce)"
@@ -163,6 +179,12 @@ class GradientReducer:
         # buckets are then left for reduce_eager() between the graphs.
         self.defer_eager = False
         self.on_finalize = None  # called after each completed reduction round
+        # Set by the engine around a backward that its own optimizer step
+        # follows directly (tier 1): the end of backward leaves the last
+        # bucket's all-reduce running, as ``tail``, for the step to wait for
+        # after stepping every other parameter (IterationStep.apply_step).
+        self.defer_tail = False
+        self.tail: tuple[int, object] | None = None
         # Set while a tier-2 backward graph owns this backward pass: a gradient
         # reaching a parameter live would bypass the graph's reduction.
         self.outside_grad_error: str | None = None
@@ -244,7 +266,12 @@ class GradientReducer:
                 "planned. pygraph_dist plans sparse gradients for the weights of nn.Embedding and "
                 "nn.EmbeddingBag with sparse=True; other sources of sparse gradients are not supported."
             )
-        if not grad.is_sparse:
+        if not grad.is_sparse and self.comm_views[index] is not None:
+            # Compressed bucket: the scaled gradient goes straight to the bf16
+            # buffer, rounded once (fp32 product, then bf16), as before when it
+            # went through the fp32 bucket first. world_size > 1 here.
+            torch.mul(grad, 1.0 / self.world_size, out=self.comm_views[index])
+        elif not grad.is_sparse:
             view = self.views[index]
             divide = self.world_size > 1  # at world size 1 there is nothing to divide
             if grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride():
@@ -273,18 +300,29 @@ class GradientReducer:
         if self.kinds[b] != GRAPH:
             return
         try:
-            self._works.append(self._all_reduce(b))
+            self._works.append((b, self._all_reduce(b)))
         except Exception as exc:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise BucketCaptureError(b, exc) from exc
             raise
 
-    def _all_reduce(self, b: int):
+    def _all_reduce(self, b: int, *, overlap: bool = True):
         comm = self.comm[b]
         if comm is None:
             return dist.all_reduce(self.buffers[b], group=self.group, async_op=True)
-        comm.copy_(self.buffers[b])  # the gradients already hold grad / world_size
-        return _CastBack(dist.all_reduce(comm, group=self.group, async_op=True), comm, self.buffers[b])
+        # The hooks already wrote grad / world_size into the bf16 buffer.
+        work = dist.all_reduce(comm, group=self.group, async_op=True)
+        if not (overlap and comm.is_cuda):
+            return _CastBack(work, comm, self.buffers[b])
+        # On a side stream: wait for this bucket's all-reduce and cast it back
+        # while backward computes the next buckets' gradients. The stream
+        # backward runs on joins it at the end of backward (a fork and join
+        # that a capture records like any other).
+        caller = torch.cuda.current_stream(comm.device)
+        with torch.cuda.stream(self._cast_stream):
+            work.wait()  # this stream waits for NCCL's
+            self.buffers[b].copy_(comm)
+        return _Join(self._cast_stream, caller)
 
     def _finalize(self) -> None:
         """End of backward: reduce what is left, wait, expose the reduced grads."""
@@ -294,7 +332,10 @@ class GradientReducer:
                     self._clear_missing(b)
             for b in range(self._next_bucket, len(self.buffers)):
                 self._launch(b)
-            for work in self._works:
+            works = self._works
+            if self.defer_tail and works and self.tail is None:
+                self.tail, works = works[-1], works[:-1]
+            for _, work in works:
                 work.wait()  # on the stream backward was called from
             for i, view in enumerate(self.views):
                 if view is not None and self.params[i].grad is not view:
@@ -323,7 +364,7 @@ class GradientReducer:
                 grad = sparse_grads[i] if sparse_grads is not None else self.params[i].grad
                 self.params[i].grad = self._reduce_sparse(i, grad)
             else:
-                self._all_reduce(b).wait()
+                self._all_reduce(b, overlap=False).wait()
 
     def _reduce_sparse(self, i: int, grad: torch.Tensor | None) -> torch.Tensor:
         p = self.params[i]
@@ -351,7 +392,9 @@ class GradientReducer:
     def _clear_missing(self, b: int) -> None:
         for i in self.bucket_params[b]:
             if not self._got_grad[i]:
-                if self.views[i] is not None:
+                if self.comm_views[i] is not None:
+                    self.comm_views[i].zero_()
+                elif self.views[i] is not None:
                     self.views[i].zero_()
                 elif self.params[i].grad is not None:
                     self.params[i].grad = None  # a stale sparse gradient from an earlier step
@@ -368,6 +411,20 @@ class GradientReducer:
     def abandon(self) -> None:
         """Forget a half-done reduction (e.g. after a failed capture): nothing was launched for real."""
         self._reset_round()
+        self.tail = None
+
+    def take_tail(self) -> tuple[list[int], object] | None:
+        """The deferred last bucket: (its parameter indices, its work), once."""
+        if self.tail is None:
+            return None
+        (b, work), self.tail = self.tail, None
+        return self.bucket_params[b], work
+
+    def wait_tail(self) -> None:
+        """Wait for a deferred last bucket now (whoever steps without splitting)."""
+        tail = self.take_tail()
+        if tail is not None:
+            tail[1].wait()
 
 
 class _CastBack:
@@ -382,6 +439,20 @@ class _CastBack:
     def wait(self):
         self.work.wait()
         self.buffer.copy_(self.comm)
+        return True
+
+
+class _Join:
+    """An overlapped cast-back: ``wait()`` makes the waiting stream wait for the
+    side stream that cast the bucket back (it must be the stream backward ran on)."""
+
+    __slots__ = ("stream", "caller")
+
+    def __init__(self, stream: torch.cuda.Stream, caller: torch.cuda.Stream) -> None:
+        self.stream, self.caller = stream, caller
+
+    def wait(self):
+        torch.cuda.current_stream(self.caller.device).wait_stream(self.stream)
         return True
 
 
