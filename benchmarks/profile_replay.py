@@ -5,7 +5,7 @@
 
 Each workload is wrapped as the benchmark wraps it (``pgd.wrap(model, AdamW,
 amp="bf16")``, loss inside: one graph per iteration; ``--compile`` adds
-``compile=True``), trained until it replays, then ``--iters`` replays run
+``compile=True``, ``--grad-comm-dtype bf16`` the bf16 gradient all-reduce), trained until it replays, then ``--iters`` replays run
 under torch.profiler with CUDA activities. From the kernel timeline, per
 iteration:
 
@@ -85,7 +85,8 @@ def exposed(comm: list[tuple[float, float]], compute: list[tuple[float, float]])
     return total
 
 
-def profile_workload(name: str, batch: int | None, iters: int, compile_: bool, dev, rank: int) -> dict:
+def profile_workload(name: str, batch: int | None, iters: int, compile_: bool, dev, rank: int,
+                     comm_dtype=None) -> dict:
     w = REGISTRY[name]
     missing = w.missing()
     if missing:
@@ -93,7 +94,7 @@ def profile_workload(name: str, batch: int | None, iters: int, compile_: bool, d
     b = batch or w.default_batch
     module = build_on(dev, w.build)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
-    model, opt = pgd.wrap(module, opt, amp="bf16", compile=compile_)
+    model, opt = pgd.wrap(module, opt, amp="bf16", compile=compile_, grad_comm_dtype=comm_dtype)
     batch_t = tuple(t.to(dev) for t in w.make_batch(b, torch.Generator().manual_seed(rank)))
 
     def step():
@@ -131,6 +132,7 @@ def profile_workload(name: str, batch: int | None, iters: int, compile_: bool, d
     per = lambda x: x / iters  # noqa: E731
     result = {
         "workload": name, "status": "ok", "batch": b, "compile": compile_, "iters_profiled": iters,
+        "grad_comm_dtype": str(comm_dtype).replace("torch.", "") if comm_dtype else None,
         "tiers": sorted({g.tier for g in r.graphs}),
         "kernels_per_iter": per(len(kernels)),
         "kernels_per_iter_by_category": {c: per(len(v)) for c, v in by_cat.items()},
@@ -162,6 +164,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--compile", action="store_true", help="wrap(..., compile=True)")
+    ap.add_argument("--grad-comm-dtype", choices=["bf16"], default=None,
+                    help="wrap(..., grad_comm_dtype=torch.bfloat16)")
     ap.add_argument("--out", default="profile.json")
     args = ap.parse_args()
     pgd.init()
@@ -174,7 +178,8 @@ def main() -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     results = []
     for name in args.workloads.split(","):
-        res = profile_workload(name, args.batch, args.iters, args.compile, dev, rank)
+        res = profile_workload(name, args.batch, args.iters, args.compile, dev, rank,
+                               torch.bfloat16 if args.grad_comm_dtype else None)
         res["world_size"] = world
         results.append(res)
         if rank == 0:
@@ -182,7 +187,8 @@ def main() -> int:
                 print(f"{name}: {res['status']}")
                 continue
             u = res["us_per_iter"]
-            print(f"{name} (batch {res['batch']}, {world} rank(s){', compiled' if args.compile else ''}): "
+            print(f"{name} (batch {res['batch']}, {world} rank(s){', compiled' if args.compile else ''}"
+                  f"{', bf16 all-reduce' if args.grad_comm_dtype else ''}): "
                   f"{res['kernels_per_iter']:.0f} kernels/iter "
                   + ", ".join(f"{c} {n:.0f}" for c, n in sorted(res["kernels_per_iter_by_category"].items()))
                   + f"; span {u['span']:.0f} us, busy {u['busy']:.0f}, gaps {u['gaps']:.0f}, "

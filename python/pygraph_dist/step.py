@@ -10,6 +10,7 @@ order and stay bitwise equal.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import defaultdict
 from typing import Callable
 
@@ -122,6 +123,7 @@ class IterationStep:
         backward that follows (``sync=False``: inside ``no_sync()``, gradients
         accumulate locally). Returns ``(loss, outputs)``; ``loss`` is None when
         the outputs hold no loss and ``need_loss`` is False."""
+        self.reducer.wait_tail()  # never left behind by an earlier iteration, but cheap to be sure
         self.reducer.enabled = sync
         self.broadcast_buffers()
         with self.amp.autocast():
@@ -149,10 +151,42 @@ class IterationStep:
         return detached, map_outputs(out, lambda t: detached if t is loss else t.detach())
 
     def body(self, inputs):
-        """The whole iteration: what a one-graph capture contains; ``(loss, outputs)``."""
-        result = self.forward_backward(inputs)
+        """The whole iteration: what a one-graph capture contains; ``(loss, outputs)``.
+
+        Nothing of the user's runs between this backward and this step, so
+        where the step is per parameter (``overlap_reason() is None``) the
+        last gradient bucket's all-reduce — the first layers' gradients, ready
+        only when backward ends, with nothing left to hide it behind — runs
+        while every other parameter steps."""
+        self.reducer.defer_tail = self.overlap_reason() is None
+        try:
+            result = self.forward_backward(inputs)
+        finally:
+            self.reducer.defer_tail = False
         self.apply_step(None)
         return result
+
+    def overlap_reason(self) -> str | None:
+        """Why the step cannot overlap the last bucket's all-reduce (None: it can).
+        The split step must be the same step: per-parameter updates only, no
+        global norm or inf check over all gradients, no hooks that would run
+        twice."""
+        from torch.optim import optimizer as _optimizer
+
+        if self.world_size == 1:
+            return "nothing to overlap"
+        if os.environ.get("PYGRAPH_DIST_STEP_OVERLAP", "1") == "0":
+            return "switched off by PYGRAPH_DIST_STEP_OVERLAP=0"
+        if self.max_grad_norm is not None or self.grad_scaler is not None or self.skip_nonfinite:
+            return "the step needs every reduced gradient first (clipping, scaler or inf check)"
+        if self.sparse_ids:
+            return "sparse parameters split the step already"
+        if user_optimizer_class(self.optimizer) not in PER_PARAMETER_OPTIMIZERS:
+            return f"{user_optimizer_class(self.optimizer).__name__} is not known to step per parameter"
+        if (self.optimizer._optimizer_step_pre_hooks or self.optimizer._optimizer_step_post_hooks  # noqa: SLF001
+                or _optimizer._global_optimizer_pre_hooks or _optimizer._global_optimizer_post_hooks):  # noqa: SLF001
+            return "optimizer step hooks would run twice"
+        return None
 
     def apply_step(self, closure, part: str = "all"):
         """Clip (if configured), then step — through GradScaler for fp16.
@@ -175,6 +209,18 @@ class IterationStep:
                     with only_params(self.optimizer, lambda p: id(p) in ids):
                         self.optimizer.step()
                 return result
+            tail = self.reducer.take_tail()
+            if tail is not None:  # only set when overlap_reason() is None
+                indices, work = tail
+                last = {id(self.reducer.params[i]) for i in indices}
+                if len(last) == len(self.reducer.params):  # one bucket: nothing to step before it
+                    work.wait()
+                    return self._optimizer_step(closure)
+                with only_params(self.optimizer, lambda p: id(p) not in last):
+                    self._optimizer_step(None)
+                work.wait()
+                with only_params(self.optimizer, lambda p: id(p) in last):
+                    return self._optimizer_step(closure)
             norm = None
             if self.max_grad_norm is not None:
                 if self.grad_scaler is not None:
@@ -317,6 +363,23 @@ def map_outputs(out, fn):
     if isinstance(out, (tuple, list)):
         return type(out)(map_outputs(v, fn) for v in out)
     return out
+
+
+# torch's optimizers that update each parameter from its own gradient and
+# state only: stepping the parameters in two calls is the same step, bitwise.
+PER_PARAMETER_OPTIMIZERS = frozenset(
+    getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop",
+                                      "Adagrad", "Adadelta", "Rprop") if hasattr(torch.optim, n))
+
+
+def user_optimizer_class(opt: torch.optim.Optimizer) -> type:
+    """The optimizer's own class, under the graph-aware subclass wrap() swaps in."""
+    from .optim import GraphedOptimizerMixin
+
+    cls = type(opt)
+    if issubclass(cls, GraphedOptimizerMixin):
+        cls = next(c for c in cls.__mro__[1:] if c is not GraphedOptimizerMixin)
+    return cls
 
 
 @contextlib.contextmanager

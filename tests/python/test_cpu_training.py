@@ -443,3 +443,90 @@ def test_side_streams_are_reused_never_shared(monkeypatch):
     assert d.device.index == 1 and FakeStream.made == 3  # per device
     step_mod.release_side_stream(a)
     assert step_mod.acquire_side_stream(cuda1) is not a   # device 0's stream stays on device 0
+
+
+# ----------------------------------------------- step overlapping the last bucket
+def step_overlap(opt_name="adamw", steps=5):
+    """The whole-iteration body with the step split around the last bucket's
+    all-reduce, against the same body stepping once after every bucket: the
+    parameters must be bitwise equal (per-parameter optimizers), and the split
+    must have happened."""
+    from pygraph_dist import step as step_mod
+
+    pgd.init()
+    rank = dist.get_rank()
+    results, splits = {}, {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        base = MLP(width=32, depth=4)
+        opt = (torch.optim.AdamW(base.parameters(), lr=1e-2) if opt_name == "adamw"
+               else torch.optim.SGD(base.parameters(), lr=0.05, momentum=0.9))
+        model, opt = pgd.wrap(base, opt, bucket_cap_mb=0.004)
+        step = model.engine.step
+        if not overlap:
+            step.overlap_reason = lambda: "switched off by the test"
+        calls = []
+        real = step_mod.only_params
+
+        def counting(optimizer, keep, real=real, calls=calls):
+            calls.append(sum(keep(p) for g in optimizer.param_groups for p in g["params"]))
+            return real(optimizer, keep)
+
+        step_mod.only_params = counting
+        try:
+            for s in range(steps):
+                x, y = data(s, rank)
+                step.clear_grads()
+                step.body(((x, y), {}))
+        finally:
+            step_mod.only_params = real
+        assert model.engine.reducer.tail is None
+        results[overlap] = flat_params(model.module)
+        splits[overlap] = calls
+        model.engine.teardown()
+    n_params = len(list(MLP(width=32, depth=4).parameters()))
+    return {
+        "diff": max_diff(results[True], results[False]),
+        "splits": splits[True], "splits_off": splits[False], "n_params": n_params,
+        "ranks_agree": ranks_agree(results[True], "cpu"),
+    }
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_step_overlapping_the_last_bucket_is_the_same_step(ranks, opt_name):
+    for r in ranks("test_cpu_training:step_overlap", timeout=180, kwargs={"opt_name": opt_name}):
+        assert r["diff"] == 0.0, r
+        assert r["ranks_agree"]
+        assert r["splits_off"] == []
+        # Every iteration: the parameters outside the last bucket, then the rest.
+        assert len(r["splits"]) == 2 * 5, r
+        for first, second in zip(r["splits"][::2], r["splits"][1::2]):
+            assert first > 0 and second > 0 and first + second == r["n_params"], r
+
+
+def test_step_overlap_only_where_the_split_is_the_same_step():
+    """Clipping, a scaler, an inf check, step hooks or an optimizer not known to
+    step per parameter keep the single step after every bucket."""
+    from types import SimpleNamespace
+
+    from pygraph_dist.step import IterationStep
+
+    def reason(**kw):
+        opt = kw.pop("opt", None) or torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+        fake = SimpleNamespace(world_size=2, max_grad_norm=None, grad_scaler=None, skip_nonfinite=False,
+                               sparse_ids=set(), optimizer=opt)
+        fake.__dict__.update(kw)
+        return IterationStep.overlap_reason(fake)
+
+    assert reason() is None
+    assert reason(world_size=1) == "nothing to overlap"
+    assert "clipping" in reason(max_grad_norm=1.0)
+    assert "clipping" in reason(skip_nonfinite=True)
+
+    class MyOpt(torch.optim.SGD):
+        pass
+
+    assert "MyOpt is not known" in reason(opt=MyOpt([nn.Parameter(torch.zeros(2))], lr=0.1))
+    hooked = torch.optim.AdamW([nn.Parameter(torch.zeros(2))])
+    hooked.register_step_post_hook(lambda *a: None)
+    assert "twice" in reason(opt=hooked)
