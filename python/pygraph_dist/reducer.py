@@ -319,6 +319,10 @@ class GradientReducer:
         # backward runs on joins it at the end of backward (a fork and join
         # that a capture records like any other).
         caller = torch.cuda.current_stream(comm.device)
+        # Fork from the caller first: while capturing, that is what puts the
+        # side stream into the capture, and a captured all-reduce may only be
+        # waited for from a capturing stream (graph_safe_backend.cpp).
+        self._cast_stream.wait_stream(caller)
         with torch.cuda.stream(self._cast_stream):
             work.wait()  # this stream waits for NCCL's
             self.buffers[b].copy_(comm)
