@@ -30,7 +30,9 @@ hook writes ``grad * (1/world_size)`` straight into the bucket's bf16 buffer
 cast; one pass over the gradient instead of two), and on CUDA a side stream
 waits for each bucket's all-reduce and casts it back into the fp32 bucket
 while backward goes on, so only the last bucket's cast-back is left at the
-end of backward.
+end of backward. On CUDA both casts are vectorised Triton kernels
+(``kernels.py``): torch's mixed-dtype elementwise ops are unrolled kernels
+that made the bf16 path slower than fp32.
 
 A parameter that produced no gradient in a backward pass contributes zeros to
 its bucket (its slot is cleared), and its ``.grad`` is still set to the
@@ -64,6 +66,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
+from . import kernels
 from ._ext import C
 
 logger = logging.getLogger("pygraph_dist")
@@ -168,6 +171,8 @@ class GradientReducer:
         # not during a capture).
         cuda_comm = [c for c in self.comm if c is not None and c.is_cuda]
         self._cast_stream = torch.cuda.Stream(cuda_comm[0].device) if cuda_comm else None
+        # The casts as single vectorised passes (kernels.py), compiled now.
+        self.cast_backend = kernels.warm_up(cuda_comm[0].device, comm_dtype) if cuda_comm else "torch"
         for b, kind in enumerate(self.kinds):
             if kind == SPARSE:
                 self.eager_reasons[b] = "sparse gradient (all-gathered; NCCL has no sparse all-reduce)"
@@ -229,7 +234,8 @@ class GradientReducer:
         eager = self.eager_buckets
         tail = f"; {len(eager)} reduced outside the graph" if eager else ""
         if any(c is not None for c in self.comm):
-            tail += f"; all-reduced in {str(self.comm_dtype).replace('torch.', '')}"
+            tail += (f"; all-reduced in {str(self.comm_dtype).replace('torch.', '')}"
+                     f"{' (casts: Triton kernels)' if self.cast_backend == 'triton' else ''}")
         return (
             f"{len(sizes)} buckets, {sum(sizes) / 2**20:.1f} MiB in all "
             f"(largest {max(sizes) / 2**20:.1f} MiB){tail}"
@@ -270,7 +276,7 @@ class GradientReducer:
             # Compressed bucket: the scaled gradient goes straight to the bf16
             # buffer, rounded once (fp32 product, then bf16), as before when it
             # went through the fp32 bucket first. world_size > 1 here.
-            torch.mul(grad, 1.0 / self.world_size, out=self.comm_views[index])
+            kernels.scale_into(grad, self.comm_views[index], 1.0 / self.world_size)
         elif not grad.is_sparse:
             view = self.views[index]
             divide = self.world_size > 1  # at world size 1 there is nothing to divide
@@ -325,7 +331,7 @@ class GradientReducer:
         self._cast_stream.wait_stream(caller)
         with torch.cuda.stream(self._cast_stream):
             work.wait()  # this stream waits for NCCL's
-            self.buffers[b].copy_(comm)
+            kernels.widen_into(comm, self.buffers[b])
         return _Join(self._cast_stream, caller)
 
     def _finalize(self) -> None:
@@ -442,7 +448,7 @@ class _CastBack:
 
     def wait(self):
         self.work.wait()
-        self.buffer.copy_(self.comm)
+        kernels.widen_into(self.comm, self.buffer)
         return True
 
 

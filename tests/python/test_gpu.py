@@ -363,3 +363,48 @@ def test_wrapping_again_gives_the_memory_back(ranks):
     # of the side stream); later ones nothing. A new stream per model kept
     # 65 MiB per model on an H100.
     assert a[3] - a[1] <= 1.0, a
+
+
+@pytest.mark.gpu
+def test_bf16_cast_kernels_are_bitwise_the_torch_casts():
+    """The Triton casts of the bf16 all-reduce (kernels.py) against the torch ops
+    they replace: bitwise, on values that exercise round-to-nearest-even
+    (halfway cases), subnormals, inf and NaN, for contiguous, channels_last,
+    unaligned and tail-length tensors."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from pygraph_dist import kernels
+
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("needs Triton (the casts fall back to torch ops without it)")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert kernels.warm_up(dev, torch.bfloat16) == "triton"
+    g = torch.Generator(device=dev).manual_seed(0)
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 3e38, -3e38, float("inf"), float("-inf"),
+                            float("nan"), 1.0 + 2**-8, 1.0 + 3 * 2**-8, 2**-126, 65504.0], device=dev)
+    # Halfway between two bf16 values: bit 15 set, lower bits clear (ties to even).
+    ties = (torch.randint(0, 2**15, (4096,), generator=g, device=dev, dtype=torch.int32) * 2**16
+            + 2**15).view(torch.float32)
+    cases = {
+        "contiguous": torch.randn(1 << 20, generator=g, device=dev),
+        "tail": torch.randn(1000003, generator=g, device=dev),
+        "special+ties": torch.cat([special, ties, torch.randn(77, generator=g, device=dev)]),
+        "channels_last": torch.randn(64, 32, 7, 7, generator=g, device=dev).to(memory_format=torch.channels_last),
+        "unaligned": torch.randn(4099, generator=g, device=dev)[3:],
+    }
+    for name, src in cases.items():
+        for scale in (0.5, 1.0 / 3):
+            ref = torch.empty_like(src, dtype=torch.bfloat16)
+            torch.mul(src, scale, out=ref)
+            out = torch.full_like(src, 7.0, dtype=torch.bfloat16)
+            kernels.scale_into(src, out, scale)
+            nan = ref.isnan()  # any NaN is NaN; every other value bit for bit
+            assert torch.equal(out.isnan(), nan), (name, scale)
+            assert torch.equal(out[~nan].view(torch.int16), ref[~nan].view(torch.int16)), (name, scale)
+        back = torch.full_like(src, 7.0)
+        kernels.widen_into(ref, back)
+        nan = ref.isnan()
+        assert torch.equal(back.isnan(), nan), name
+        assert torch.equal(back[~nan].view(torch.int32), ref[~nan].float().view(torch.int32)), name
