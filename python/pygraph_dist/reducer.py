@@ -185,11 +185,13 @@ class GradientReducer:
         self.defer_eager = False
         self.on_finalize = None  # called after each completed reduction round
         # Set by the engine around a backward that its own optimizer step
-        # follows directly (tier 1): the end of backward leaves the last
-        # bucket's all-reduce running, as ``tail``, for the step to wait for
-        # after stepping every other parameter (IterationStep.apply_step).
-        self.defer_tail = False
-        self.tail: tuple[int, object] | None = None
+        # follows directly (tier 1): the end of backward waits for none of the
+        # graph buckets' all-reduces; they stay ``pending`` for the step, which
+        # steps each bucket's parameters as soon as its all-reduce is done
+        # (IterationStep.apply_step), so that the all-reduces still running
+        # when backward ends overlap the optimizer instead of preceding it.
+        self.defer_waits = False
+        self.pending: list[tuple[int, object]] = []
         # Set while a tier-2 backward graph owns this backward pass: a gradient
         # reaching a parameter live would bypass the graph's reduction.
         self.outside_grad_error: str | None = None
@@ -332,7 +334,9 @@ class GradientReducer:
         with torch.cuda.stream(self._cast_stream):
             work.wait()  # this stream waits for NCCL's
             kernels.widen_into(comm, self.buffers[b])
-        return _Join(self._cast_stream, caller)
+            done = torch.cuda.Event()
+            done.record(self._cast_stream)  # this bucket's cast-back, not the ones after it
+        return _Join(done, caller)
 
     def _finalize(self) -> None:
         """End of backward: reduce what is left, wait, expose the reduced grads."""
@@ -343,8 +347,8 @@ class GradientReducer:
             for b in range(self._next_bucket, len(self.buffers)):
                 self._launch(b)
             works = self._works
-            if self.defer_tail and works and self.tail is None:
-                self.tail, works = works[-1], works[:-1]
+            if self.defer_waits and not self.pending:
+                self.pending, works = works, []
             for _, work in works:
                 work.wait()  # on the stream backward was called from
             for i, view in enumerate(self.views):
@@ -421,20 +425,18 @@ class GradientReducer:
     def abandon(self) -> None:
         """Forget a half-done reduction (e.g. after a failed capture): nothing was launched for real."""
         self._reset_round()
-        self.tail = None
+        self.pending = []
 
-    def take_tail(self) -> tuple[list[int], object] | None:
-        """The deferred last bucket: (its parameter indices, its work), once."""
-        if self.tail is None:
-            return None
-        (b, work), self.tail = self.tail, None
-        return self.bucket_params[b], work
+    def take_pending(self) -> list[tuple[list[int], object]]:
+        """The all-reduces the end of backward left running: (parameter indices
+        of the bucket, its work) in bucket order, handed out once."""
+        pending, self.pending = self.pending, []
+        return [(self.bucket_params[b], work) for b, work in pending]
 
-    def wait_tail(self) -> None:
-        """Wait for a deferred last bucket now (whoever steps without splitting)."""
-        tail = self.take_tail()
-        if tail is not None:
-            tail[1].wait()
+    def wait_pending(self) -> None:
+        """Wait for every left-running all-reduce now."""
+        for _, work in self.take_pending():
+            work.wait()
 
 
 class _CastBack:
@@ -453,16 +455,16 @@ class _CastBack:
 
 
 class _Join:
-    """An overlapped cast-back: ``wait()`` makes the waiting stream wait for the
-    side stream that cast the bucket back (it must be the stream backward ran on)."""
+    """An overlapped cast-back: ``wait()`` makes the waiting stream wait for this
+    bucket's cast-back on the side stream (an event recorded right after it)."""
 
-    __slots__ = ("stream", "caller")
+    __slots__ = ("event", "caller")
 
-    def __init__(self, stream: torch.cuda.Stream, caller: torch.cuda.Stream) -> None:
-        self.stream, self.caller = stream, caller
+    def __init__(self, event: torch.cuda.Event, caller: torch.cuda.Stream) -> None:
+        self.event, self.caller = event, caller
 
     def wait(self):
-        torch.cuda.current_stream(self.caller.device).wait_stream(self.stream)
+        torch.cuda.current_stream(self.caller.device).wait_event(self.event)
         return True
 
 

@@ -123,7 +123,7 @@ class IterationStep:
         backward that follows (``sync=False``: inside ``no_sync()``, gradients
         accumulate locally). Returns ``(loss, outputs)``; ``loss`` is None when
         the outputs hold no loss and ``need_loss`` is False."""
-        self.reducer.wait_tail()  # never left behind by an earlier iteration, but cheap to be sure
+        self.reducer.wait_pending()  # never left behind by an earlier iteration, but cheap to be sure
         self.reducer.enabled = sync
         self.broadcast_buffers()
         with self.amp.autocast():
@@ -155,14 +155,16 @@ class IterationStep:
 
         Nothing of the user's runs between this backward and this step, so
         where the step is per parameter (``overlap_reason() is None``) the
-        last gradient bucket's all-reduce — the first layers' gradients, ready
-        only when backward ends, with nothing left to hide it behind — runs
-        while every other parameter steps."""
-        self.reducer.defer_tail = self.overlap_reason() is None
+        end of backward does not wait for the all-reduces: the step updates
+        each bucket's parameters as soon as that bucket is reduced, so the
+        all-reduces still running when backward ends — at least the last
+        bucket's, the first layers' gradients, ready only at the very end —
+        overlap the optimizer instead of preceding it."""
+        self.reducer.defer_waits = self.overlap_reason() is None
         try:
             result = self.forward_backward(inputs)
         finally:
-            self.reducer.defer_tail = False
+            self.reducer.defer_waits = False
         self.apply_step(None)
         return result
 
@@ -209,18 +211,9 @@ class IterationStep:
                     with only_params(self.optimizer, lambda p: id(p) in ids):
                         self.optimizer.step()
                 return result
-            tail = self.reducer.take_tail()
-            if tail is not None:  # only set when overlap_reason() is None
-                indices, work = tail
-                last = {id(self.reducer.params[i]) for i in indices}
-                if len(last) == len(self.reducer.params):  # one bucket: nothing to step before it
-                    work.wait()
-                    return self._optimizer_step(closure)
-                with only_params(self.optimizer, lambda p: id(p) not in last):
-                    self._optimizer_step(None)
-                work.wait()
-                with only_params(self.optimizer, lambda p: id(p) in last):
-                    return self._optimizer_step(closure)
+            pending = self.reducer.take_pending()
+            if pending:  # only left by body() when overlap_reason() is None
+                return self._step_per_bucket(pending)
             norm = None
             if self.max_grad_norm is not None:
                 if self.grad_scaler is not None:
@@ -236,6 +229,23 @@ class IterationStep:
             return self._optimizer_step(closure)
         finally:
             self.delegating = False
+
+    def _step_per_bucket(self, pending):
+        """The step in parts: parameters outside the pending buckets (already
+        reduced), then each pending bucket's as soon as its all-reduce is done.
+        Per-parameter optimizers make this the same step, bitwise."""
+        params = self.reducer.params
+        parts = [({id(params[i]) for i in indices}, work) for indices, work in pending]
+        covered = set().union(*(ids for ids, _ in parts))
+        if any(p.grad is not None and id(p) not in covered for p in params):
+            with only_params(self.optimizer, lambda p: id(p) not in covered):
+                self._optimizer_step(None)
+        result = None
+        for ids, work in parts:
+            work.wait()
+            with only_params(self.optimizer, lambda p, ids=ids: id(p) in ids):
+                result = self._optimizer_step(None)
+        return result
 
     def _step_if_finite(self, closure, norm):
         """The optimizer step, skipped inside the fused kernel when the global
