@@ -24,6 +24,8 @@ Loops (how the user's loop is written; each (workload, mode, loop) is a row):
   accum4       4 micro-batches of per-GPU batch / 4 each (samples per step unchanged):
                loss = model(*micro) / 4; loss.backward() 4 times, the first 3 inside
                model.no_sync(); then opt.step()
+  accum4_sync  the same without no_sync(): DDP all-reduces every micro-batch; pgd
+               learns the 4 in the first step and all-reduces the last one only
   clip         inside + torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                between backward and step
 
@@ -121,7 +123,7 @@ from workloads import autocast_bf16, build_on  # noqa: E402
 
 NO_NVLS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 ALL_MODES = ["ddp", "ddp_bf16", "ddp_graph", "compile", "pgd", "pgd_bf16", "pgd_compile"]
-ALL_LOOPS = ["inside", "outside", "accum4", "clip"]
+ALL_LOOPS = ["inside", "outside", "accum4", "accum4_sync", "clip"]
 ACCUM = 4              # micro-batches of the accum4 loop
 CLIP_NORM = 1.0        # max_norm of the clip loop
 DEFAULT_WORKLOADS = "mlp,gpt2,resnet50,vit_tiny"
@@ -161,7 +163,7 @@ PRESETS = {
              loops="inside", conditions="baseline", world_sizes="2,1"),
         dict(workloads="resnet50,gpt2", modes="ddp,pgd", loops="inside", conditions="baseline,noisy",
              world_sizes="2"),
-        dict(workloads="mlp,gpt2", modes="ddp,pgd", loops="inside,outside,accum4,clip", conditions="baseline",
+        dict(workloads="mlp,gpt2", modes="ddp,pgd", loops="inside,outside,accum4,accum4_sync,clip", conditions="baseline",
              world_sizes="2"),
     ]},
     # The harness on a CPU (Gloo, no CUDA modes): every loop, ddp and pgd, noisy.
@@ -201,11 +203,11 @@ def loop_outside(m, batch):
     return loss
 
 
-def loop_accum4(m, batch):
+def loop_accum4(m, batch, no_sync=True):
     micro = list(zip(*(t.chunk(ACCUM) for t in batch)))  # views, per-GPU batch / ACCUM rows each
     m.opt.zero_grad(set_to_none=True)
     for k, mb in enumerate(micro):
-        sync = contextlib.nullcontext() if k == len(micro) - 1 else m.model.no_sync()
+        sync = contextlib.nullcontext() if k == len(micro) - 1 or not no_sync else m.model.no_sync()
         with sync:
             with m.autocast():
                 loss = m.model(*mb) / ACCUM
@@ -226,7 +228,8 @@ def loop_clip(m, batch):
     return loss
 
 
-LOOPS = {"inside": loop_inside, "outside": loop_outside, "accum4": loop_accum4, "clip": loop_clip}
+LOOPS = {"inside": loop_inside, "outside": loop_outside, "accum4": loop_accum4,
+         "accum4_sync": lambda m, batch: loop_accum4(m, batch, no_sync=False), "clip": loop_clip}
 
 
 # =========================================================================== modes
@@ -616,7 +619,7 @@ def run_row(row: dict, plan: dict, ctx: dict) -> tuple[list[dict], bool]:
         return all_cells("skipped", "needs CUDA"), True
     if row["loop"] not in cls.loops:
         return all_cells("unsupported", f"{cls.name} runs the {', '.join(cls.loops)} loops only"), True
-    if row["loop"] == "accum4" and batch % ACCUM:
+    if row["loop"].startswith("accum4") and batch % ACCUM:
         return all_cells("unsupported", f"per-GPU batch {batch} is not a multiple of {ACCUM}"), True
     batches = ctx["batches"].get((w.name, batch))
     if batches is None:

@@ -25,7 +25,7 @@ MODE_COLORS = {"ddp": "#7f7f7f", "ddp_bf16": "#c7c7c7", "ddp_graph": "#1f77b4", 
 MODE_LABELS = {"ddp": "eager DDP", "ddp_bf16": "eager DDP, bf16 all-reduce", "ddp_graph": "hand-written graph + DDP",
                "compile": "torch.compile reduce-overhead", "pgd": "pygraph_dist",
                "pgd_bf16": "pygraph_dist, bf16 all-reduce", "pgd_compile": "pygraph_dist + torch.compile"}
-LOOPS = ["inside", "outside", "accum4", "clip"]
+LOOPS = ["inside", "outside", "accum4", "accum4_sync", "clip"]
 
 
 def _get(c: dict, k: str):

@@ -19,6 +19,7 @@ import logging
 import torch  # noqa: F401 - loads libtorch before the extension
 
 from ._ext import C as _C
+from .accumulation import AccumulationReadError
 from ._ext import graphs_available
 from .backend import graph_safe_backend
 from .compiled import check_compiled_module, compile_kwargs
@@ -30,6 +31,7 @@ from .launch_env import LaunchEnvironment, LaunchError, detect, init
 from .report import Report, model_report
 
 __all__ = [
+    "AccumulationReadError",
     "GraphedModule",
     "LaunchEnvironment",
     "LaunchError",
@@ -118,6 +120,7 @@ def wrap(
     skip_nonfinite: bool = False,
     grad_comm_dtype: torch.dtype | str | None = None,
     compile: bool | dict = False,
+    learn_accumulation: bool = True,
 ) -> tuple[GraphedModule, torch.optim.Optimizer]:
     """Wrap a model and its optimizer for graphed data-parallel training.
 
@@ -169,6 +172,14 @@ def wrap(
             uncompiled module. Compile time and recompiles are in ``report()``.
             A module already compiled by ``torch.compile`` in a mode without
             CUDA graphs works too; one compiled with them is refused.
+        learn_accumulation: gradient accumulation without ``model.no_sync()``
+            (K model calls and backwards per ``optimizer.step()``): the first
+            step shows K, all ranks agree, and from then on only the K-th
+            micro-batch all-reduces — the sum, as ``no_sync()`` would. A step
+            that ends on another count, or gradients read before the last
+            micro-batch, are reduced eagerly first (reported); a loop that
+            reads gradients between micro-batches is not deferred.
+            ``False``: every micro-batch all-reduces, as DDP.
 
     Returns ``(GraphedModule, optimizer)``; the optimizer is the same object,
     made capturable and routed through the engine.
@@ -182,7 +193,7 @@ def wrap(
         replay_timeout=replay_timeout, monitor=monitor, eager_params=eager_params,
         select=select, select_margin=select_margin, pad_batch_to=pad_batch_to, pad_value=pad_value,
         skip_nonfinite=skip_nonfinite, grad_comm_dtype=grad_comm_dtype,
-        compile=compile_kwargs(compile),
+        compile=compile_kwargs(compile), learn_accumulation=learn_accumulation,
     )
     engine = Engine(model, optimizer, config, process_group)
     return GraphedModule(model, engine), optimizer

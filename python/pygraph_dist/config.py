@@ -36,6 +36,7 @@ class WrapConfig:
     skip_nonfinite: bool = False
     grad_comm_dtype: torch.dtype | None = None
     compile: dict | None = None  # torch.compile arguments (compiled.compile_kwargs)
+    learn_accumulation: bool = True  # accumulation.py
 
 
 COMM_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16}

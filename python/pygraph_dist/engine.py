@@ -46,6 +46,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from . import agreement, lifetime
+from .accumulation import LearnedAccumulation
 from ._ext import C, graphs_available
 from .amp import ensure_scale_initialised, make_grad_scaler, parse_amp
 from .backend import graph_safe_backend
@@ -156,6 +157,8 @@ class Engine:
                                   fp_backend=self.fp_backend, watchdog=self.watchdog,
                                   select=config.select, select_margin=config.select_margin)
         self.split = SplitGraphs(self.runner, self.loop.backward_finished)
+        self.accum = LearnedAccumulation(self, enabled=config.learn_accumulation)
+        self._call_sync = True  # this model call's backward all-reduces (accumulation.py)
         self._split_step: GraphEntry | None = None  # tier 2: the entry graphed this step
         self.iteration = 0  # optimizer steps begun (model calls that start a step)
         self.require_sync = True  # False inside GraphedModule.no_sync()
@@ -201,6 +204,14 @@ class Engine:
     # ============================================================ one iteration
     def run(self, args: tuple, kwargs: dict):
         """The wrapped model's call: one training iteration (or an evaluation)."""
+        if not (self.module.training and torch.is_grad_enabled()) or self.closed:
+            return self._run(args, kwargs)
+        self._call_sync = self.accum.model_call(self.require_sync)
+        out = self._run(args, kwargs)
+        self.accum.after_model_call()
+        return out
+
+    def _run(self, args: tuple, kwargs: dict):
         if self.compiled:  # compilations from here on are this model's
             COMPILE_TIMER.install()
             COMPILE_TIMER.current = (self.compile_stats, self._first_iteration)
@@ -315,7 +326,7 @@ class Engine:
                 return self._user_forward(args, kwargs, probe=False)
             ok = self.split.capture(entry, args, kwargs, iteration=self.iteration,
                                     state_version=self.opt_state_version,
-                                    no_sync_variant=self.loop.saw_no_sync)
+                                    no_sync_variant=self.loop.saw_no_sync or self.accum.k > 1)
             if not ok:
                 return self._user_forward(args, kwargs, probe=False)
         out = self._split_forward(entry, leaves)
@@ -324,7 +335,7 @@ class Engine:
     def _split_forward(self, entry: GraphEntry, leaves: list):
         """Replay ``entry``'s forward graph for this call, or None when it has
         no graph for it (not tier 2, released, or no variant for no_sync())."""
-        sync = self.require_sync
+        sync = self._call_sync
         if entry.tier != 2 or not entry.live or sync not in entry.bwd_graphs:
             return None
         self.loop.mode = Mode.USER
@@ -360,7 +371,7 @@ class Engine:
         args, kwargs = self.step.to_device(args, kwargs)
         with self.step.on_compute_stream(), watch_host_syncs(
                 probe and self.device.type == "cuda", self.runner.sync_sites):
-            loss, out = self.step.forward(args, kwargs, sync=self.require_sync, need_loss=False)
+            loss, out = self.step.forward(args, kwargs, sync=self._call_sync, need_loss=False)
         if self.grad_scaler is not None:
             # amp="fp16": the scale is applied in backward. To the loss when the
             # module returns one; otherwise to every output, so that whatever
@@ -394,6 +405,7 @@ class Engine:
     # ================================================= the optimizer's calls
     def optimizer_step(self, closure=None):
         """``optimizer.step()`` of the wrapped optimizer."""
+        self.accum.step()  # pending local sums reduced first; K learned at the first step
         probe = self._phase == Phase.PROBE and not self.loop.owned
         owned = self.loop.owned
         seen = self.loop.step_called(closure, probe=probe)
@@ -410,6 +422,7 @@ class Engine:
         return result
 
     def optimizer_zero_grad(self, set_to_none: bool = True) -> None:
+        self.accum.zero_grad()
         self.loop.zero_grad_called()
         if not self.loop.owned:
             with self.loop.unwatched():  # zero_grad() itself is judged by zero_grad_called()
@@ -501,6 +514,7 @@ class Engine:
             skipped_steps=int(self.step.skipped.item()) if self.step.skipped is not None else None,
             compile=describe_compile(self.config.compile, self.compile_stats, self.compile_user),
             events=[asdict(e) for e in self.cache.events],
+            accumulation=self.accum.describe(),
         )
 
     # ================================================================ teardown

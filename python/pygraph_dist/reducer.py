@@ -417,6 +417,21 @@ class GradientReducer:
                     self.unused_warned.add(name)
                     self._newly_unused.append(name)
 
+    def reduce_now(self) -> None:
+        """Reduce the gradients accumulated locally (deferred micro-batches) now,
+        eagerly, in bucket order: what the end of a synchronised backward that
+        added nothing does — the same scaling and all-reduces, ``.grad`` the
+        bucket views afterwards."""
+        enabled, self.enabled = self.enabled, True
+        self._finalize_queued = True  # outside autograd: _finalize runs below, not as a callback
+        try:
+            for i, p in enumerate(self.params):
+                if p.requires_grad and p.grad is not None:
+                    self._on_grad_ready(i, p)
+            self._finalize()
+        finally:
+            self.enabled = enabled
+
     def finish_pending(self) -> None:
         """Run the end-of-backward step now if autograd never got to it (error paths)."""
         if self._finalize_queued:

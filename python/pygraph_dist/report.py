@@ -49,6 +49,8 @@ class ModelReport:
     events: list[dict] = field(default_factory=list)
     skipped_steps: int | None = None  # skip_nonfinite: optimizer steps skipped (inf/NaN gradients)
     compile: str = ""  # torch.compile inside the graph: how, compilations, seconds, recompiles
+    # Gradient accumulation without no_sync(): the learned micro-batch count (accumulation.py)
+    accumulation: str = ""
 
     @property
     def replays(self) -> int:
@@ -79,6 +81,8 @@ class Report:
             lines.append(f"  loop: {m.loop}")
             if m.compile:
                 lines.append(f"  compile: {m.compile}")
+            if m.accumulation and m.accumulation.startswith("learned"):
+                lines.append(f"  gradient accumulation: {m.accumulation}")
             if m.skipped_steps is not None:
                 lines.append(f"  non-finite steps skipped (skip_nonfinite): {m.skipped_steps}")
             shown = {m.graphs_reason, m.loop.removeprefix("not graphable: ")} - {""}
