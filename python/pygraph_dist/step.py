@@ -155,11 +155,9 @@ class IterationStep:
 
         Nothing of the user's runs between this backward and this step, so
         where the step is per parameter (``overlap_reason() is None``) the
-        end of backward does not wait for the all-reduces: the step updates
-        each bucket's parameters as soon as that bucket is reduced, so the
-        all-reduces still running when backward ends — at least the last
-        bucket's, the first layers' gradients, ready only at the very end —
-        overlap the optimizer instead of preceding it."""
+        last bucket's all-reduce — the first layers' gradients, ready only at
+        the very end of backward, with nothing left to hide it behind — runs
+        while every other parameter steps."""
         self.reducer.defer_waits = self.overlap_reason() is None
         try:
             result = self.forward_backward(inputs)
@@ -231,9 +229,9 @@ class IterationStep:
             self.delegating = False
 
     def _step_per_bucket(self, pending):
-        """The step in parts: parameters outside the pending buckets (already
-        reduced), then each pending bucket's as soon as its all-reduce is done.
-        Per-parameter optimizers make this the same step, bitwise."""
+        """The step in parts: the parameters outside the pending bucket (already
+        reduced), then the bucket's once its all-reduce is done. Per-parameter
+        optimizers make this the same step, bitwise."""
         params = self.reducer.params
         parts = [({id(params[i]) for i in indices}, work) for indices, work in pending]
         covered = set().union(*(ids for ids, _ in parts))
