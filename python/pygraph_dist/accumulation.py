@@ -35,11 +35,10 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from .agreement import agreed_max
-from .monitor import user_location
+from .monitor import exit_if_on_top, user_location
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -89,7 +88,7 @@ class LearnedAccumulation:
         self.used_no_sync = False
         self.mid_read = False  # a .grad read between micro-batches (first step)
         self.pending = False  # deferred micro-batches not reduced yet
-        self.read_reduced = False  # a read in this window reduced the pending sums
+        self.read_in_window = False  # a .grad read since the window opened
         self.read_where = ""
         self.deferred_calls = 0
         self.corrections: dict[str, int] = {}  # reason -> steps
@@ -136,13 +135,13 @@ class LearnedAccumulation:
     def grad_read(self) -> None:
         if not self.decided:
             self.read_where = self.read_where or user_location()
-            self.read_reduced = True  # learning: mark the window
+            self.read_in_window = True
             return
         if self.pending:
             self.read_where = user_location()
             self._reduce("gradients read before the last micro-batch",
                          f"a .grad read at {self.read_where} after {self.calls} of {self.k} micro-batches")
-            self.read_reduced = True
+            self.read_in_window = True
 
     def _reduce(self, key: str, detail: str) -> None:
         eng = self.engine
@@ -185,17 +184,13 @@ class LearnedAccumulation:
             self._guard = _ReadGuard(self)
             self._guard.__enter__()
         self._guard.armed = False
-        self.read_reduced = False
+        self.read_in_window = False
 
     def _close_window(self, *, at_model_call: bool) -> None:
         guard, self._guard = self._guard, None
-        if guard is not None:
-            n = torch._C._len_torch_function_stack()
-            if n and torch._C._get_function_stack_at(n - 1) is guard:
-                guard.__exit__(None, None, None)
-            else:  # a mode the user entered sits on top: leave ours, disarmed
-                guard.owner = _Inert()
-        if at_model_call and self.read_reduced:
+        if guard is not None and not exit_if_on_top(guard):
+            guard.owner = _Inert()  # a mode the user entered sits on top: leave ours, disarmed
+        if at_model_call and self.read_in_window:
             if not self.decided:
                 self.mid_read = True
             else:
@@ -206,7 +201,7 @@ class LearnedAccumulation:
                     "would have been this rank's partial sum, not DDP's reduced one. Accumulate "
                     "inside model.no_sync() (then .grad holds local sums, as with DDP), or pass "
                     "wrap(..., learn_accumulation=False) to all-reduce every micro-batch.")
-        self.read_reduced = False
+        self.read_in_window = False
 
     def describe(self) -> str:
         text = self.reason

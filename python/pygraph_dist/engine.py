@@ -109,7 +109,6 @@ class Engine:
         grad_scaler = make_grad_scaler(self.device.type) if self.amp.needs_grad_scaler else None
         if grad_scaler is not None:
             ensure_scale_initialised(grad_scaler, self.device)
-        self._base_cls = type(optimizer)
         sparse = sparse_param_names(module, {n for n, _ in named})
         if sparse:
             check_sparse_support(sparse, optimizer, self.amp, config)
@@ -168,7 +167,7 @@ class Engine:
         self._phase = None
 
         if self.opt_plan.changes and self.rank == 0:
-            logger.info("optimizer %s reconfigured for capture: %s", self._base_cls.__name__,
+            logger.info("optimizer %s reconfigured for capture: %s", self.step.optimizer_class.__name__,
                         ", ".join(self.opt_plan.changes))
         if self.graphs_reason and self.rank == 0:
             logger.info("graphs unavailable: %s", self.graphs_reason)
@@ -204,20 +203,19 @@ class Engine:
     # ============================================================ one iteration
     def run(self, args: tuple, kwargs: dict):
         """The wrapped model's call: one training iteration (or an evaluation)."""
-        if not (self.module.training and torch.is_grad_enabled()) or self.closed:
-            return self._run(args, kwargs)
-        self._call_sync = self.accum.model_call(self.require_sync)
-        out = self._run(args, kwargs)
-        self.accum.after_model_call()
-        return out
-
-    def _run(self, args: tuple, kwargs: dict):
         if self.compiled:  # compilations from here on are this model's
             COMPILE_TIMER.install()
             COMPILE_TIMER.current = (self.compile_stats, self._first_iteration)
         if not (self.module.training and torch.is_grad_enabled()) or self.closed:
             # Evaluation, or after teardown (no process group left): the module as is.
             return self.step.evaluate(args, kwargs)
+        self._call_sync = self.accum.model_call(self.require_sync)
+        out = self._train_call(args, kwargs)
+        self.accum.after_model_call()
+        return out
+
+    def _train_call(self, args: tuple, kwargs: dict):
+        """A training call: warm-up, capture, replay, or the loop as written."""
         self.reducer.finish_pending()
         if self.loop.stage is not Stage.IDLE and not self.loop.owned:
             # Another model call in the same optimizer step (gradient accumulation,
@@ -426,7 +424,7 @@ class Engine:
         self.loop.zero_grad_called()
         if not self.loop.owned:
             with self.loop.unwatched():  # zero_grad() itself is judged by zero_grad_called()
-                self._base_cls.zero_grad(self.optimizer, set_to_none)
+                self.step.optimizer_class.zero_grad(self.optimizer, set_to_none)
 
     def _finish_probe(self, entry: GraphEntry, violations) -> None:
         whats: set[str] = set()
@@ -507,7 +505,7 @@ class Engine:
         return ModelReport(
             model=type(self.module).__name__, rank=self.rank, world_size=self.world_size,
             graphs_possible=self.graphs_possible, graphs_reason=self.graphs_reason, loop=loop,
-            amp=self.amp.name, optimizer=self._base_cls.__name__,
+            amp=self.amp.name, optimizer=self.step.optimizer_class.__name__,
             optimizer_changes=list(self.opt_plan.changes), buckets=self.reducer.describe(),
             backend=backend, eager_buckets=self.reducer.describe_eager(),
             graphs=self.cache.describe(self.reducer.kinds),

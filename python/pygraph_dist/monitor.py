@@ -146,10 +146,7 @@ class LoopMonitor(TorchFunctionMode):
     def stop(self) -> list[Violation]:
         """Pop the mode (if it is on top) and hand back what was seen."""
         if self.active:
-            n = torch._C._len_torch_function_stack()
-            if n and torch._C._get_function_stack_at(n - 1) is self:
-                self.__exit__(None, None, None)
-            else:
+            if not exit_if_on_top(self):
                 # Someone pushed a mode on top of ours and left it there; popping
                 # now would pop theirs. Leave ours in place, inert.
                 self.violations.append(Violation(
@@ -215,6 +212,16 @@ class LoopMonitor(TorchFunctionMode):
             "A graph would step before this runs. Move it after optimizer.step() (parameter "
             "and learning-rate updates are read by the next replay), or into the model."
         )
+
+
+def exit_if_on_top(mode: TorchFunctionMode) -> bool:
+    """Exit ``mode`` if it is the innermost torch-function mode. False when a
+    mode someone else entered sits on top: popping then would pop theirs."""
+    n = torch._C._len_torch_function_stack()
+    if n and torch._C._get_function_stack_at(n - 1) is mode:
+        mode.__exit__(None, None, None)
+        return True
+    return False
 
 
 def storage_ptr(t: torch.Tensor) -> int:

@@ -187,13 +187,13 @@ class GradientReducer:
         # Set by the engine around a backward that its own optimizer step
         # follows directly (tier 1): the end of backward does not wait for the
         # last graph bucket's all-reduce (the first layers' gradients, ready
-        # only at the very end); it stays ``pending`` for the step, which
+        # only at the very end); it stays the ``tail`` for the step, which
         # steps every other parameter first (IterationStep.apply_step).
         # Stepping every bucket as its own all-reduce finished was measured
         # too: 18 optimizer calls made GPT-2 slower (2xH200, fp32 N=2: 11.66
         # against 11.43-11.53 ms per iteration).
         self.defer_waits = False
-        self.pending: list[tuple[int, object]] = []
+        self.tail: tuple[int, object] | None = None  # (bucket, its work)
         # Set while a tier-2 backward graph owns this backward pass: a gradient
         # reaching a parameter live would bypass the graph's reduction.
         self.outside_grad_error: str | None = None
@@ -328,17 +328,16 @@ class GradientReducer:
         # while backward computes the next buckets' gradients. The stream
         # backward runs on joins it at the end of backward (a fork and join
         # that a capture records like any other).
-        caller = torch.cuda.current_stream(comm.device)
         # Fork from the caller first: while capturing, that is what puts the
         # side stream into the capture, and a captured all-reduce may only be
         # waited for from a capturing stream (graph_safe_backend.cpp).
-        self._cast_stream.wait_stream(caller)
+        self._cast_stream.wait_stream(torch.cuda.current_stream(comm.device))
         with torch.cuda.stream(self._cast_stream):
             work.wait()  # this stream waits for NCCL's
             kernels.widen_into(comm, self.buffers[b])
             done = torch.cuda.Event()
             done.record(self._cast_stream)  # this bucket's cast-back, not the ones after it
-        return _Join(done, caller)
+        return _Join(done, comm.device)
 
     def _finalize(self) -> None:
         """End of backward: reduce what is left, wait, expose the reduced grads."""
@@ -349,8 +348,8 @@ class GradientReducer:
             for b in range(self._next_bucket, len(self.buffers)):
                 self._launch(b)
             works = self._works
-            if self.defer_waits and works and not self.pending:
-                self.pending, works = works[-1:], works[:-1]
+            if self.defer_waits and works and self.tail is None:
+                self.tail, works = works[-1], works[:-1]
             for _, work in works:
                 work.wait()  # on the stream backward was called from
             for i, view in enumerate(self.views):
@@ -442,18 +441,21 @@ class GradientReducer:
     def abandon(self) -> None:
         """Forget a half-done reduction (e.g. after a failed capture): nothing was launched for real."""
         self._reset_round()
-        self.pending = []
+        self.tail = None
 
-    def take_pending(self) -> list[tuple[list[int], object]]:
-        """The all-reduce the end of backward left running: [(parameter indices
-        of the bucket, its work)], handed out once."""
-        pending, self.pending = self.pending, []
-        return [(self.bucket_params[b], work) for b, work in pending]
+    def take_tail(self) -> tuple[list[int], object] | None:
+        """The all-reduce the end of backward left running: (parameter indices
+        of its bucket, its work), handed out once."""
+        if self.tail is None:
+            return None
+        (b, work), self.tail = self.tail, None
+        return self.bucket_params[b], work
 
-    def wait_pending(self) -> None:
-        """Wait for every left-running all-reduce now."""
-        for _, work in self.take_pending():
-            work.wait()
+    def wait_tail(self) -> None:
+        """Wait for a left-running all-reduce now (whoever steps without splitting)."""
+        tail = self.take_tail()
+        if tail is not None:
+            tail[1].wait()
 
 
 class _CastBack:
@@ -475,13 +477,13 @@ class _Join:
     """An overlapped cast-back: ``wait()`` makes the waiting stream wait for this
     bucket's cast-back on the side stream (an event recorded right after it)."""
 
-    __slots__ = ("event", "caller")
+    __slots__ = ("event", "device")
 
-    def __init__(self, event: torch.cuda.Event, caller: torch.cuda.Stream) -> None:
-        self.event, self.caller = event, caller
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+        self.event, self.device = event, device
 
     def wait(self):
-        torch.cuda.current_stream(self.caller.device).wait_event(self.event)
+        torch.cuda.current_stream(self.device).wait_event(self.event)
         return True
 
 

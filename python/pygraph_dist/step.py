@@ -67,6 +67,7 @@ class IterationStep:
         # (wrap(compile=...), compiled.py).
         self.call = module
         self.optimizer = optimizer
+        self.optimizer_class = type(optimizer)  # the user's: wrap() swaps the class in later
         self.reducer = reducer
         self.amp = amp
         self.grad_scaler = grad_scaler
@@ -123,7 +124,7 @@ class IterationStep:
         backward that follows (``sync=False``: inside ``no_sync()``, gradients
         accumulate locally). Returns ``(loss, outputs)``; ``loss`` is None when
         the outputs hold no loss and ``need_loss`` is False."""
-        self.reducer.wait_pending()  # never left behind by an earlier iteration, but cheap to be sure
+        self.reducer.wait_tail()  # never left behind by an earlier iteration, but cheap to be sure
         self.reducer.enabled = sync
         self.broadcast_buffers()
         with self.amp.autocast():
@@ -181,8 +182,8 @@ class IterationStep:
             return "the step needs every reduced gradient first (clipping, scaler or inf check)"
         if self.sparse_ids:
             return "sparse parameters split the step already"
-        if user_optimizer_class(self.optimizer) not in PER_PARAMETER_OPTIMIZERS:
-            return f"{user_optimizer_class(self.optimizer).__name__} is not known to step per parameter"
+        if self.optimizer_class not in PER_PARAMETER_OPTIMIZERS:
+            return f"{self.optimizer_class.__name__} is not known to step per parameter"
         if (self.optimizer._optimizer_step_pre_hooks or self.optimizer._optimizer_step_post_hooks  # noqa: SLF001
                 or _optimizer._global_optimizer_pre_hooks or _optimizer._global_optimizer_post_hooks):  # noqa: SLF001
             return "optimizer step hooks would run twice"
@@ -209,9 +210,9 @@ class IterationStep:
                     with only_params(self.optimizer, lambda p: id(p) in ids):
                         self.optimizer.step()
                 return result
-            pending = self.reducer.take_pending()
-            if pending:  # only left by body() when overlap_reason() is None
-                return self._step_per_bucket(pending)
+            tail = self.reducer.take_tail()
+            if tail is not None:  # only left by body() when overlap_reason() is None
+                return self._step_around_tail(*tail)
             norm = None
             if self.max_grad_norm is not None:
                 if self.grad_scaler is not None:
@@ -228,22 +229,18 @@ class IterationStep:
         finally:
             self.delegating = False
 
-    def _step_per_bucket(self, pending):
-        """The step in parts: the parameters outside the pending bucket (already
-        reduced), then the bucket's once its all-reduce is done. Per-parameter
-        optimizers make this the same step, bitwise."""
+    def _step_around_tail(self, indices: list[int], work):
+        """The step in two parts: the parameters outside the tail bucket
+        (already reduced), then the tail's once its all-reduce is done.
+        Per-parameter optimizers make this the same step, bitwise."""
         params = self.reducer.params
-        parts = [({id(params[i]) for i in indices}, work) for indices, work in pending]
-        covered = set().union(*(ids for ids, _ in parts))
-        if any(p.grad is not None and id(p) not in covered for p in params):
-            with only_params(self.optimizer, lambda p: id(p) not in covered):
+        last = {id(params[i]) for i in indices}
+        if any(p.grad is not None and id(p) not in last for p in params):
+            with only_params(self.optimizer, lambda p: id(p) not in last):
                 self._optimizer_step(None)
-        result = None
-        for ids, work in parts:
-            work.wait()
-            with only_params(self.optimizer, lambda p, ids=ids: id(p) in ids):
-                result = self._optimizer_step(None)
-        return result
+        work.wait()
+        with only_params(self.optimizer, lambda p: id(p) in last):
+            return self._optimizer_step(None)
 
     def _step_if_finite(self, closure, norm):
         """The optimizer step, skipped inside the fused kernel when the global
@@ -378,16 +375,6 @@ def map_outputs(out, fn):
 PER_PARAMETER_OPTIMIZERS = frozenset(
     getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop",
                                       "Adagrad", "Adadelta", "Rprop") if hasattr(torch.optim, n))
-
-
-def user_optimizer_class(opt: torch.optim.Optimizer) -> type:
-    """The optimizer's own class, under the graph-aware subclass wrap() swaps in."""
-    from .optim import GraphedOptimizerMixin
-
-    cls = type(opt)
-    if issubclass(cls, GraphedOptimizerMixin):
-        cls = next(c for c in cls.__mro__[1:] if c is not GraphedOptimizerMixin)
-    return cls
 
 
 @contextlib.contextmanager

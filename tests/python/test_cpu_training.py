@@ -480,7 +480,7 @@ def step_overlap(opt_name="adamw", steps=5):
                 step.body(((x, y), {}))
         finally:
             step_mod.only_params = real
-        assert model.engine.reducer.pending == []
+        assert model.engine.reducer.tail is None
         buckets = len(model.engine.reducer.plan.buckets)
         results[overlap] = flat_params(model.module)
         splits[overlap] = calls
@@ -515,7 +515,7 @@ def test_step_overlap_only_where_the_split_is_the_same_step():
     def reason(**kw):
         opt = kw.pop("opt", None) or torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
         fake = SimpleNamespace(world_size=2, max_grad_norm=None, grad_scaler=None, skip_nonfinite=False,
-                               sparse_ids=set(), optimizer=opt)
+                               sparse_ids=set(), optimizer=opt, optimizer_class=type(opt))
         fake.__dict__.update(kw)
         return IterationStep.overlap_reason(fake)
 
