@@ -122,6 +122,8 @@ from noise import noisy_cpus, pin_threads, start_busy, stop_busy, unpin_threads 
 from workloads import autocast_bf16, build_on  # noqa: E402
 
 NO_NVLS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# --wrap-kwargs, set in each worker from its plan: added to every pgd mode's wrap() call.
+WRAP_EXTRA: dict = {}
 ALL_MODES = ["ddp", "ddp_bf16", "ddp_graph", "compile", "pgd", "pgd_bf16", "pgd_compile"]
 ALL_LOOPS = ["inside", "outside", "accum4", "accum4_sync", "clip"]
 ACCUM = 4              # micro-batches of the accum4 loop
@@ -414,7 +416,7 @@ class PyGraphDist(Mode):
 
         module = self.module()
         opt = self.adamw(module.parameters())
-        kwargs = self.wrap_kwargs()
+        kwargs = {**self.wrap_kwargs(), **WRAP_EXTRA}
         try:
             self.model, self.opt = pgd.wrap(self.prepare(module), opt, amp="bf16" if self.cuda else None, **kwargs)
         except TypeError as exc:
@@ -440,7 +442,8 @@ class PyGraphDist(Mode):
         try:
             return {"pgd_phase": [g.phase for g in r.graphs], "pgd_reason": [g.reason for g in r.graphs],
                     "pgd_loop": r.loop, "pgd_collectives": [g.n_collectives for g in r.graphs],
-                    "pgd_selection": [g.selection for g in r.graphs]}
+                    "pgd_selection": [g.selection for g in r.graphs],
+                    "pgd_buckets": len(self.model.engine.reducer.plan.buckets)}
         except AttributeError:
             return {}
 
@@ -733,6 +736,7 @@ def worker(args) -> None:
     from workloads import REGISTRY
 
     plan = json.loads(Path(args.plan).read_text())
+    WRAP_EXTRA.update(plan.get("wrap_kwargs", {}))
     env = pgd.init()
     rank, ws = env.rank, env.world_size
     cuda = torch.cuda.is_available()
@@ -1185,6 +1189,9 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=None, help="timed iterations per condition (default 200; presets set theirs)")
     p.add_argument("--batch", default="", help="per-GPU batch overrides, e.g. gpt2=16,mlp=128")
     p.add_argument("--no-floor", action="store_true", help="skip the floor measurements")
+    p.add_argument("--wrap-kwargs", default="",
+                   help='extra pygraph_dist.wrap() arguments for the pgd modes, as JSON, e.g. '
+                        '\'{"bucket_cap_mb": 50}\' (recorded in the results config)')
     p.add_argument("--noisy-cores", type=int, default=4, help="cores the ranks are pinned to in pinned/noisy")
     p.add_argument("--noisy-procs", type=int, default=4, help="busy-loop processes on those cores in noisy")
     p.add_argument("--noisy-max-s", type=float, default=300, help="a busy-loop process exits after this at the latest")
@@ -1237,7 +1244,14 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     name = args.name or time.strftime("scaling-%Y%m%d-%H%M%S")
     batch_over = dict(kv.split("=") for kv in args.batch.split(",") if kv) if args.batch else {}
+    try:
+        wrap_extra = json.loads(args.wrap_kwargs) if args.wrap_kwargs else {}
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--wrap-kwargs is not JSON: {exc}") from None
+    if not isinstance(wrap_extra, dict):
+        raise SystemExit("--wrap-kwargs must be a JSON object, e.g. '{\"bucket_cap_mb\": 50}'")
     common = {"iters": args.iters, "batch": batch_over, "floor_enabled": not args.no_floor,
+              "wrap_kwargs": wrap_extra,
               "noisy_cores": args.noisy_cores, "noisy_procs": args.noisy_procs, "noisy_max_s": args.noisy_max_s}
     t0 = time.perf_counter()
     deadline = time.time() + (args.budget_s if args.budget_s else 1e9)

@@ -65,7 +65,8 @@ def test_benchmark_harness_smoke(tmp_path):
     pytest.importorskip("matplotlib", reason="the benchmark's plots need matplotlib (setup installs it where pip has an index)")
     p = subprocess.run([sys.executable, "benchmarks/bench_scaling.py", "--workloads", "tiny", "--world-sizes", "1,2",
                         "--conditions", "baseline,jitter", "--iters", "12", "--out-dir", str(tmp_path),
-                        "--name", "smoke", "--row-timeout", "150"], cwd=ROOT, env=child_env(), capture_output=True,
+                        "--name", "smoke", "--row-timeout", "150",
+                        "--wrap-kwargs", '{"bucket_cap_mb": 0.001}'], cwd=ROOT, env=child_env(), capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     result = json.loads((tmp_path / "smoke.json").read_text())
@@ -76,6 +77,9 @@ def test_benchmark_harness_smoke(tmp_path):
             assert len(c["per_rank_ms"]) == n and all(len(r) == 12 for r in c["per_rank_ms"])
             assert c["ms_per_it"] > 0 and "scaling_efficiency" in c and "speedup_vs_ddp" in c
         assert "jitter_throughput_loss" not in ok[(mode, 2, "jitter")]  # no sync10 reference in this run
+    # --wrap-kwargs reached wrap(): 1 KB buckets split the tiny net's gradients
+    assert ok[("pgd", 2, "baseline")]["pgd_buckets"] > 3
+    assert result["config"]["wrap_kwargs"] == '{"bucket_cap_mb": 0.001}'
     skipped = [c for c in result["cells"] if c["status"] == "skipped"]
     assert skipped and all(c["reason"] == "needs CUDA" for c in skipped)
     assert "ms/it" in p.stdout and "speedup" in p.stdout  # the table, with its column definitions
