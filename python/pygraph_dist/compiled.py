@@ -8,7 +8,8 @@ inductor kernels then run inside pygraph_dist's graphs like any others.
 Three things make a compiled module safe to capture, and are handled here:
 
 * CUDA graphs of its own (``mode="reduce-overhead"``, ``max-autotune``,
-  ``options={"triton.cudagraphs": True}``) cannot run inside another capture:
+  ``options={"triton.cudagraphs": True}``, or the process-wide
+  ``torch._inductor.config.triton.cudagraphs = True``) cannot run inside another capture:
   ``compile=`` switches them off with a warning; a module the user compiled
   that way is refused with the change to make.
 * AOTAutograd's *donated buffers* (saved activations the compiled backward may
@@ -39,7 +40,7 @@ def compile_kwargs(spec) -> dict | None:
     if spec is None or spec is False:
         return None
     if spec is True:
-        return {}
+        spec = {}
     if not isinstance(spec, dict):
         raise TypeError(f"compile={spec!r}: pass True, or a dict of torch.compile arguments "
                         f"({', '.join(COMPILE_KEYS)}), e.g. compile={{'mode': 'max-autotune-no-cudagraphs'}}")
@@ -62,14 +63,28 @@ def compile_kwargs(spec) -> dict | None:
             kw.pop("mode")
         else:
             kw["mode"] = new
-    options = kw.get("options")
-    if options and options.get("triton.cudagraphs"):
-        warnings.warn(
-            "wrap(compile={'options': {'triton.cudagraphs': True}}): CUDA graphs of torch.compile's own "
-            "cannot run inside pygraph_dist's graph; compiling with triton.cudagraphs=False.",
-            UserWarning, stacklevel=3)
+    options = kw.get("options") or {}
+    if options.get("triton.cudagraphs", _global_cudagraphs()):
+        if "triton.cudagraphs" in options:
+            why = "wrap(compile={'options': {'triton.cudagraphs': True}}): CUDA graphs of torch.compile's own"
+        else:
+            why = ("wrap(compile=...): torch._inductor.config.triton.cudagraphs is True in this process, "
+                   "and CUDA graphs of torch.compile's own")
+        warnings.warn(f"{why} cannot run inside pygraph_dist's graph; compiling this module with "
+                      "options={'triton.cudagraphs': False} (a process-wide setting stays as it is).",
+                      UserWarning, stacklevel=3)
         kw["options"] = {**options, "triton.cudagraphs": False}
     return kw
+
+
+def _global_cudagraphs() -> bool:
+    """``torch._inductor.config.triton.cudagraphs``: what a compilation that
+    does not say otherwise uses (set by the user, or by a recipe they import)."""
+    try:
+        from torch._inductor import config as inductor_config
+    except ImportError:  # pragma: no cover - torch without inductor
+        return False
+    return bool(getattr(inductor_config.triton, "cudagraphs", False))
 
 
 def _compiler_config(module: torch.nn.Module) -> dict | None:
@@ -116,10 +131,11 @@ def check_compiled_module(module: torch.nn.Module, compile_spec) -> None:
         raise ValueError(
             f"the model is already compiled ({how}) and wrap() was also given compile=...: pass the "
             "uncompiled model with compile=..., or the compiled one without it.")
-    if cfg.get("triton.cudagraphs"):
+    if cfg.get("triton.cudagraphs", _global_cudagraphs()):
         raise ValueError(
             f"the model{'' if not name else ' has a submodule that'} was compiled ({how}) with CUDA graphs of torch.compile's own "
-            "(mode='reduce-overhead' or 'max-autotune', or options={'triton.cudagraphs': True}); they "
+            "(mode='reduce-overhead' or 'max-autotune', options={'triton.cudagraphs': True}, or "
+            "torch._inductor.config.triton.cudagraphs = True with no option overriding it); they "
             "cannot run inside pygraph_dist's graph, which already captures the whole iteration. Pass "
             "the uncompiled model with wrap(..., compile=True) (or compile={'mode': "
             "'max-autotune-no-cudagraphs'}), or compile it in the default mode.")

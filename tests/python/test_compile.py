@@ -175,6 +175,28 @@ def test_modules_compiled_with_cuda_graphs_are_refused_with_the_fix():
     check_compiled_module(Net(), True)
 
 
+def test_process_wide_inductor_cudagraphs_is_switched_or_refused():
+    """torch._inductor.config.triton.cudagraphs = True (a recipe's global) would
+    make every compilation record graphs of its own: compile= turns it off for
+    our compilation with a warning, a user-compiled module is refused; an
+    explicit option of the module's own wins over the global."""
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch({"triton.cudagraphs": True}):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert compile_kwargs(True) == {"options": {"triton.cudagraphs": False}}
+            assert compile_kwargs({"options": {"max_autotune": True}}) == {
+                "options": {"max_autotune": True, "triton.cudagraphs": False}}
+        assert len(w) == 2 and all("torch._inductor.config.triton.cudagraphs is True" in str(x.message)
+                                   for x in w)
+        with pytest.raises(ValueError, match=r"torch\._inductor\.config\.triton\.cudagraphs = True"):
+            check_compiled_module(torch.compile(Net()), False)
+        check_compiled_module(torch.compile(Net(), options={"triton.cudagraphs": False}), False)
+    check_compiled_module(torch.compile(Net()), False)
+    assert compile_kwargs(True) == {}
+
+
 def test_compiled_submodules_count_as_compiled():
     from pygraph_dist.compiled import is_compiled
 
