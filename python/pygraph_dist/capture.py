@@ -32,7 +32,7 @@ import time
 import torch
 import torch.utils._pytree as pytree
 
-from . import agreement
+from . import agreement, kernels
 from ._ext import C, NOT_CAPTURABLE_TAG
 from .graph_cache import GraphCache, GraphEntry, discard
 from .optim import snapshot_hyperparams
@@ -62,6 +62,7 @@ class GraphRunner:
         self.select_enabled = select
         self.select_margin = select_margin
         self.sync_sites: list[str] = []  # host syncs the probe saw in forward (a hint)
+        self.widening = False  # set by the engine: kernels.WideningCasts around captures
 
     # ----------------------------------------------------------- warm-up
     def run_owned(self, inputs):
@@ -194,6 +195,10 @@ class GraphRunner:
             logger.warning("%s for inputs [%s] failed on %s: %s; %s", what, entry.description,
                            "this rank" if local_error else "another rank", reason, nxt)
 
+    def casts(self):
+        """Narrow-to-fp32 copies as the widen kernel while recording (kernels.WideningCasts)."""
+        return kernels.WideningCasts() if self.widening else contextlib.nullcontext()
+
     def _record(self, entry: GraphEntry, graph, static, pool):
         """Record the iteration: one graph, or forward+backward and step graphs."""
         step = self.step
@@ -202,11 +207,11 @@ class GraphRunner:
             return torch.cuda.graph(g, pool=pool, stream=step.stream, capture_error_mode="thread_local")
 
         if not entry.eager_buckets:
-            with capturing(graph):
+            with capturing(graph), self.casts():
                 return step.body(static), None
         self.reducer.defer_eager = True
         try:
-            with capturing(graph):
+            with capturing(graph), self.casts():
                 result = step.forward_backward(static)
         finally:
             self.reducer.defer_eager = False

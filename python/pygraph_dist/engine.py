@@ -37,6 +37,7 @@ so graphed training is bitwise identical to the engine's eager mode
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 
@@ -45,7 +46,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import agreement, lifetime
+from . import agreement, kernels, lifetime
 from .accumulation import LearnedAccumulation
 from ._ext import C, graphs_available
 from .amp import ensure_scale_initialised, make_grad_scaler, parse_amp
@@ -155,6 +156,13 @@ class Engine:
                                   group=self.group, agree_device=self.agree_device,
                                   fp_backend=self.fp_backend, watchdog=self.watchdog,
                                   select=config.select, select_margin=config.select_margin)
+        # autocast's bf16/fp16 -> fp32 gradient casts recorded as the widen
+        # kernel (exact; kernels.WideningCasts). Not around compiled modules
+        # (inductor makes its own casts; a dispatch mode must not meet dynamo);
+        # PYGRAPH_DIST_FAST_CASTS=0 records torch's own copies.
+        self.runner.widening = (self.graphs_possible and not self.compiled
+                                and os.environ.get("PYGRAPH_DIST_FAST_CASTS", "1") != "0"
+                                and kernels.widening_ready(self.device))
         self.split = SplitGraphs(self.runner, self.loop.backward_finished)
         self.accum = LearnedAccumulation(self, enabled=config.learn_accumulation)
         self._call_sync = True  # this model call's backward all-reduces (accumulation.py)
@@ -505,7 +513,9 @@ class Engine:
         return ModelReport(
             model=type(self.module).__name__, rank=self.rank, world_size=self.world_size,
             graphs_possible=self.graphs_possible, graphs_reason=self.graphs_reason, loop=loop,
-            amp=self.amp.name, optimizer=self.step.optimizer_class.__name__,
+            amp=self.amp.name + (" (fp32 casts in graphs: Triton)" if self.runner.widening
+                                 and self.amp.enabled else ""),
+            optimizer=self.step.optimizer_class.__name__,
             optimizer_changes=list(self.opt_plan.changes), buckets=self.reducer.describe(),
             backend=backend, eager_buckets=self.reducer.describe_eager(),
             graphs=self.cache.describe(self.reducer.kinds),

@@ -13,6 +13,12 @@ are two small Triton kernels over the flat memory: an fp32 multiply then
 round-to-nearest-even to bf16 (bitwise what ``torch.mul(g, s, out=bf16)``
 computes), and the exact widening back. Elsewhere, or for layouts they do not
 cover, the torch ops. ``PYGRAPH_DIST_TRITON=0`` forces the torch ops.
+
+The same widening serves :class:`WideningCasts`: while an iteration is
+captured, every ``bf16/fp16 -> fp32`` copy of a dense CUDA tensor (above all
+autocast's weight-gradient casts, ``ToCopyBackward``, one per weight per
+backward) runs as the widen kernel instead of torch's unrolled copy. Widening
+is exact, so the values are those torch computes, bit for bit.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import functools
 import os
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _BLOCK = 4096
 
@@ -91,14 +98,21 @@ def scale_into(src: torch.Tensor, dst: torch.Tensor, scale: float) -> None:
         torch.mul(_flat(src)[n - tail:], scale, out=_flat(dst)[n - tail:])
 
 
-def widen_into(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for a narrower ``src`` (exact)."""
+def _widen_kernel(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """``dst.copy_(src)`` through the widen kernel (and torch for the tail);
+    False, with nothing written, where the kernel does not apply."""
     if not _launch(1, src, dst):
-        dst.copy_(src)
-        return
+        return False
     n, tail = src.numel(), src.numel() % 16
     if tail:
         _flat(dst)[n - tail:].copy_(_flat(src)[n - tail:])
+    return True
+
+
+def widen_into(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for a narrower ``src`` (exact)."""
+    if not _widen_kernel(src, dst):
+        dst.copy_(src)
 
 
 def warm_up(device: torch.device, narrow: torch.dtype, wide: torch.dtype = torch.float32) -> str:
@@ -111,3 +125,50 @@ def warm_up(device: torch.device, narrow: torch.dtype, wide: torch.dtype = torch
     scale_into(a, b, 0.5)
     widen_into(b, a)
     return "triton"
+
+
+_TO_COPY = torch.ops.aten._to_copy.default
+_NARROW = (torch.bfloat16, torch.float16)
+_PLAIN_FORMATS = (None, torch.preserve_format, torch.contiguous_format)
+
+
+def _widened(x, kwargs: dict) -> torch.Tensor | None:
+    """``x.to(torch.float32)`` through the widen kernel, or None where torch's
+    own copy must run (another dtype, layout, device or memory format, a
+    tensor subclass, a non-contiguous or tiny tensor, no Triton)."""
+    if (type(x) is not torch.Tensor or x.dtype not in _NARROW or not x.is_cuda
+            or kwargs.get("dtype") is not torch.float32 or x.numel() < 16 or not x.is_contiguous()):
+        return None
+    if (kwargs.get("layout", torch.strided) is not torch.strided or kwargs.get("pin_memory")
+            or kwargs.get("memory_format") not in _PLAIN_FORMATS
+            or kwargs.get("device", x.device) != x.device
+            or set(kwargs) - {"dtype", "layout", "device", "pin_memory", "non_blocking", "memory_format"}):
+        return None
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    return out if _widen_kernel(x, out) else None
+
+
+class WideningCasts(TorchDispatchMode):
+    """Active around a capture: ``aten._to_copy`` from bf16/fp16 to fp32 runs
+    as the widen kernel (see the module docstring); every other op, and every
+    copy the kernel does not cover, runs as torch runs it. Not for compiled
+    modules (the engine does not enter it for them)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _TO_COPY and len(args) == 1:
+            out = _widened(args[0], kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+def widening_ready(device: torch.device) -> bool:
+    """Compile the widen kernel for bf16 and fp16 sources now (outside any
+    capture); False where it cannot run (no Triton, not CUDA)."""
+    if device.type != "cuda" or _kernels() is None:
+        return False
+    wide = torch.empty(_BLOCK, dtype=torch.float32, device=device)
+    for narrow in _NARROW:
+        widen_into(torch.ones(_BLOCK, dtype=narrow, device=device), wide)
+    return True

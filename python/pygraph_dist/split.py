@@ -173,7 +173,7 @@ class SplitGraphs:
             return torch.cuda.graph(g, pool=pool, stream=step.stream, capture_error_mode="thread_local")
 
         try:
-            with capturing(fwd):
+            with capturing(fwd), runner.casts():
                 args_, kwargs_ = static
                 loss, out = step.forward(args_, kwargs_, sync=True, need_loss=False)
             tensors = output_tensors(out)
@@ -205,7 +205,7 @@ class SplitGraphs:
                             p.grad = None
                     else:
                         self.attach_grads()
-                with capturing(g):
+                with capturing(g), runner.casts():
                     grads = static_grads
                     if scaled is not None:
                         scale = step.grad_scaler._scale  # noqa: SLF001

@@ -408,3 +408,55 @@ def test_bf16_cast_kernels_are_bitwise_the_torch_casts():
         nan = ref.isnan()
         assert torch.equal(back.isnan(), nan), name
         assert torch.equal(back[~nan].view(torch.int32), ref[~nan].float().view(torch.int32)), name
+
+
+def gpu_fast_casts(steps=20):
+    """One rank, amp="bf16" and "fp16", with the widening casts recorded (on
+    by default): graphed training bitwise equal to graphs=False, which runs
+    torch's own casts."""
+    from pygraph_dist import kernels
+
+    pgd.init()
+    dev = device()
+    hits = []
+    real = kernels._widened
+
+    def counting(x, kwargs):
+        out = real(x, kwargs)
+        hits.append(out is not None)
+        return out
+
+    kernels._widened = counting
+    out = {}
+    for amp in ("bf16", "fp16"):
+        params = {}
+        for graphs in (True, False):
+            torch.manual_seed(123)
+            base = gpu_model(0, 0.1)
+            model, opt = pgd.wrap(base, adamw(base.parameters(), amp, 1e-3), amp=amp, graphs=graphs)
+            hits.clear()
+            train(model, opt, steps, 0, dev=dev)
+            params[graphs] = flat_params(model.module)
+            if graphs:
+                out[amp] = {"widening": model.engine.runner.widening, "widened": sum(hits),
+                            "phase": pgd.report().models[-1].graphs[0].phase,
+                            "amp_line": pgd.report().models[-1].amp}
+        out[amp]["bitwise"] = bool(torch.equal(params[True], params[False]))
+        out[amp]["max_diff"] = max_diff(params[True], params[False])
+    return out
+
+
+@pytest.mark.gpu
+def test_fast_widening_casts_train_bitwise_like_torchs_casts(ranks):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("needs Triton")
+    (r,) = ranks("test_gpu:gpu_fast_casts", world_size=1, timeout=300)
+    for amp in ("bf16", "fp16"):
+        assert r[amp]["widening"] and r[amp]["phase"] == "replay", r
+        assert "Triton" in r[amp]["amp_line"], r
+        assert r[amp]["widened"] > 0, r  # autocast's gradient casts went through the kernel
+        assert r[amp]["bitwise"], r
