@@ -2,8 +2,10 @@
 
 #include <cstdlib>
 #include <utility>
+#include <vector>
 
 #include <ATen/ThreadLocalPythonObjects.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
 
 #ifdef PGD_WITH_CUDA
@@ -98,6 +100,70 @@ class PythonTlsObjectsHidden {
 
  private:
   at::impl::ThreadLocalPythonObjects saved_;
+};
+
+// Hands the wrapped CPU backend aliases of the caller's tensors that have no
+// Python object, for the duration of the call, and puts the caller's tensors
+// back afterwards. In current torch (2.13's c10/util/intrusive_ptr.h) a TensorImpl
+// with a Python object increfs it when a second C++ reference appears and
+// decrefs it -- taking the GIL -- when that reference goes. A Gloo Work holds
+// its tensors until a Gloo worker thread drops it; if that happens while the
+// interpreter is finalizing (an error inside backward, with bucket
+// all-reduces still in flight, then exit), CPython ends the thread with
+// pthread_exit and the unwinding through noexcept destructors calls
+// std::terminate (CI, 2026-11-23: pt_gloo_runloop, TensorImpl::decref_pyobject,
+// PyEval_RestoreThread, pthread_exit). An alias is a new TensorImpl over the
+// same storage: the collective reads and writes the caller's memory, and the
+// worker thread drops a tensor no Python object knows. (The storage is shared;
+// pygraph_dist never creates Python objects for its buckets' storages.)
+// CUDA tensors are left alone: NCCL's Works are released by its watchdog,
+// which the process group joins when it is destroyed.
+class PythonFreeArgs {
+ public:
+  explicit PythonFreeArgs(bool enabled) : enabled_(enabled) {}
+  ~PythonFreeArgs() {
+    for (auto& [slot, original] : saved_) {
+      *slot = std::move(original);
+    }
+  }
+  PythonFreeArgs(const PythonFreeArgs&) = delete;
+  PythonFreeArgs& operator=(const PythonFreeArgs&) = delete;
+
+  PythonFreeArgs& operator()() { return *this; }
+  PythonFreeArgs& operator()(at::Tensor& t) {
+    if (enabled_ && aliasable(t)) {
+      auto impl = c10::make_intrusive<c10::TensorImpl>(
+          c10::Storage(t.storage()), t.key_set(), t.dtype());
+      impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+      saved_.emplace_back(&t, t);
+      t = at::Tensor(std::move(impl));
+    }
+    return *this;
+  }
+  PythonFreeArgs& operator()(std::vector<at::Tensor>& ts) {
+    for (auto& t : ts) {
+      (*this)(t);
+    }
+    return *this;
+  }
+  PythonFreeArgs& operator()(std::vector<std::vector<at::Tensor>>& lists) {
+    for (auto& l : lists) {
+      (*this)(l);
+    }
+    return *this;
+  }
+
+ private:
+  // Plain dense tensors only: sparse ones, tensor subclasses (Python dispatch
+  // key) and lazily conjugated/negated views go to the backend as they are.
+  static bool aliasable(const at::Tensor& t) {
+    return t.defined() && t.layout() == c10::kStrided && t.has_storage() &&
+        !t.key_set().has(c10::DispatchKey::Python) && !t.is_conj() && !t.is_neg() &&
+        t.device().is_cpu();
+  }
+
+  bool enabled_;
+  std::vector<std::pair<at::Tensor*, at::Tensor>> saved_;
 };
 
 // Every refusal of a call that cannot be captured: a c10::Error whose message
@@ -265,45 +331,49 @@ c10::intrusive_ptr<Work> GraphSafeBackend::endCoalescing() {
 }
 
 // Every collective below has the same shape: record, forward (without
-// Python objects in the Work's captured thread-local state), wrap.
-#define PGD_FORWARD(OPNAME, RECORD, CALL)          \
-  const bool was_capturing = enter(RECORD);        \
-  PythonTlsObjectsHidden hidden;                   \
+// Python objects in the Work's captured thread-local state, and on CPU with
+// its tensors as Python-free aliases: TENSORS lists them, e.g. (outputs)(inputs)),
+// wrap.
+#define PGD_FORWARD(OPNAME, RECORD, CALL, TENSORS)          \
+  const bool was_capturing = enter(RECORD);                  \
+  PythonTlsObjectsHidden hidden;                             \
+  PythonFreeArgs python_free(device_type_ == "cpu");         \
+  python_free TENSORS;                                       \
   return leave(inner_->CALL, was_capturing, OPNAME)
 
 c10::intrusive_ptr<Work> GraphSafeBackend::broadcast(
     std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
   PGD_FORWARD("broadcast",
       make_record(CollectiveKind::kBroadcast, tensors, -1, opts.rootRank),
-      broadcast(tensors, opts));
+      broadcast(tensors, opts), (tensors));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::allreduce(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
   PGD_FORWARD("all_reduce",
       make_record(CollectiveKind::kAllReduce, tensors, op_code(opts.reduceOp)),
-      allreduce(tensors, opts));
+      allreduce(tensors, opts), (tensors));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::allreduce_sparse(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
   PGD_FORWARD("sparse all_reduce",
       make_record(CollectiveKind::kAllReduceSparse, tensors, op_code(opts.reduceOp)),
-      allreduce_sparse(tensors, opts));
+      allreduce_sparse(tensors, opts), (tensors));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   PGD_FORWARD("all_reduce_coalesced",
       make_record(CollectiveKind::kAllReduceCoalesced, tensors, op_code(opts.reduceOp)),
-      allreduce_coalesced(tensors, opts));
+      allreduce_coalesced(tensors, opts), (tensors));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::reduce(
     std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
   PGD_FORWARD("reduce",
       make_record(CollectiveKind::kReduce, tensors, op_code(opts.reduceOp), opts.rootRank),
-      reduce(tensors, opts));
+      reduce(tensors, opts), (tensors));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::allgather(
@@ -311,13 +381,13 @@ c10::intrusive_ptr<Work> GraphSafeBackend::allgather(
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   PGD_FORWARD("all_gather", make_record(CollectiveKind::kAllGather, inputs),
-      allgather(outputs, inputs, opts));
+      allgather(outputs, inputs, opts), (outputs)(inputs));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   PGD_FORWARD("all_gather_into_tensor", make_record(CollectiveKind::kAllGatherBase, input),
-      _allgather_base(output, input, opts));
+      _allgather_base(output, input, opts), (output)(input));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::allgather_coalesced(
@@ -326,7 +396,7 @@ c10::intrusive_ptr<Work> GraphSafeBackend::allgather_coalesced(
     const c10d::AllgatherOptions& opts) {
   PGD_FORWARD("all_gather_coalesced",
       make_record(CollectiveKind::kAllGatherCoalesced, inputs),
-      allgather_coalesced(outputs, inputs, opts));
+      allgather_coalesced(outputs, inputs, opts), (outputs)(inputs));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::allgather_into_tensor_coalesced(
@@ -335,7 +405,7 @@ c10::intrusive_ptr<Work> GraphSafeBackend::allgather_into_tensor_coalesced(
     const c10d::AllgatherOptions& opts) {
   PGD_FORWARD("all_gather_into_tensor_coalesced",
       make_record(CollectiveKind::kAllGatherCoalesced, inputs),
-      allgather_into_tensor_coalesced(outputs, inputs, opts));
+      allgather_into_tensor_coalesced(outputs, inputs, opts), (outputs)(inputs));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::gather(
@@ -343,7 +413,7 @@ c10::intrusive_ptr<Work> GraphSafeBackend::gather(
     std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
   PGD_FORWARD("gather", make_record(CollectiveKind::kGather, inputs, -1, opts.rootRank),
-      gather(outputs, inputs, opts));
+      gather(outputs, inputs, opts), (outputs)(inputs));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::scatter(
@@ -352,7 +422,7 @@ c10::intrusive_ptr<Work> GraphSafeBackend::scatter(
     const c10d::ScatterOptions& opts) {
   PGD_FORWARD("scatter",
       make_record(CollectiveKind::kScatter, outputs, -1, opts.rootRank),
-      scatter(outputs, inputs, opts));
+      scatter(outputs, inputs, opts), (outputs)(inputs));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::reduce_scatter(
@@ -361,14 +431,14 @@ c10::intrusive_ptr<Work> GraphSafeBackend::reduce_scatter(
     const c10d::ReduceScatterOptions& opts) {
   PGD_FORWARD("reduce_scatter",
       make_record(CollectiveKind::kReduceScatter, flatten(inputs), op_code(opts.reduceOp)),
-      reduce_scatter(outputs, inputs, opts));
+      reduce_scatter(outputs, inputs, opts), (outputs)(inputs));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   PGD_FORWARD("reduce_scatter_tensor",
       make_record(CollectiveKind::kReduceScatterBase, input, op_code(opts.reduceOp)),
-      _reduce_scatter_base(output, input, opts));
+      _reduce_scatter_base(output, input, opts), (output)(input));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::reduce_scatter_tensor_coalesced(
@@ -377,7 +447,7 @@ c10::intrusive_ptr<Work> GraphSafeBackend::reduce_scatter_tensor_coalesced(
     const c10d::ReduceScatterOptions& opts) {
   PGD_FORWARD("reduce_scatter_tensor_coalesced",
       make_record(CollectiveKind::kReduceScatterCoalesced, inputs, op_code(opts.reduceOp)),
-      reduce_scatter_tensor_coalesced(outputs, inputs, opts));
+      reduce_scatter_tensor_coalesced(outputs, inputs, opts), (outputs)(inputs));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::alltoall_base(
@@ -386,7 +456,8 @@ c10::intrusive_ptr<Work> GraphSafeBackend::alltoall_base(
     std::vector<int64_t>& input_split_sizes,
     const c10d::AllToAllOptions& opts) {
   PGD_FORWARD("all_to_all_single", make_record(CollectiveKind::kAllToAllBase, input),
-      alltoall_base(output, input, output_split_sizes, input_split_sizes, opts));
+      alltoall_base(output, input, output_split_sizes, input_split_sizes, opts),
+      (output)(input));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::alltoall(
@@ -394,7 +465,7 @@ c10::intrusive_ptr<Work> GraphSafeBackend::alltoall(
     std::vector<at::Tensor>& inputs,
     const c10d::AllToAllOptions& opts) {
   PGD_FORWARD("all_to_all", make_record(CollectiveKind::kAllToAll, inputs),
-      alltoall(outputs, inputs, opts));
+      alltoall(outputs, inputs, opts), (outputs)(inputs));
 }
 
 void GraphSafeBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
@@ -413,13 +484,13 @@ uint64_t GraphSafeBackend::getSequenceNumberForGroup() {
 c10::intrusive_ptr<Work> GraphSafeBackend::send(
     std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
   PGD_FORWARD("send", make_record(CollectiveKind::kSend, tensors, -1, dst_rank),
-      send(tensors, dst_rank, tag));
+      send(tensors, dst_rank, tag), (tensors));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::recv(
     std::vector<at::Tensor>& tensors, int src_rank, int tag) {
   PGD_FORWARD("recv", make_record(CollectiveKind::kRecv, tensors, -1, src_rank),
-      recv(tensors, src_rank, tag));
+      recv(tensors, src_rank, tag), (tensors));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::recvAnysource(
@@ -428,7 +499,7 @@ c10::intrusive_ptr<Work> GraphSafeBackend::recvAnysource(
     refuse("recv() from any source during CUDA graph capture: the sender is "
            "decided at run time, which a replay cannot repeat.");
   }
-  PGD_FORWARD("recv", make_record(CollectiveKind::kRecv, tensors), recvAnysource(tensors, tag));
+  PGD_FORWARD("recv", make_record(CollectiveKind::kRecv, tensors), recvAnysource(tensors, tag), (tensors));
 }
 
 c10::intrusive_ptr<Work> GraphSafeBackend::barrier(const c10d::BarrierOptions& opts) {
@@ -438,7 +509,7 @@ c10::intrusive_ptr<Work> GraphSafeBackend::barrier(const c10d::BarrierOptions& o
            "training step (before or after the loop).");
   }
   PGD_FORWARD("barrier", make_record(CollectiveKind::kBarrier, std::vector<at::Tensor>{}),
-      barrier(opts));
+      barrier(opts), ());
 }
 
 #undef PGD_FORWARD

@@ -225,7 +225,17 @@ def exit_if_on_top(mode: TorchFunctionMode) -> bool:
 
 
 def storage_ptr(t: torch.Tensor) -> int:
-    """Address of ``t``'s storage (-1 for tensors without one), to tell owned tensors apart."""
+    """Address of ``t``'s storage (-1 for tensors without one), to tell owned tensors apart.
+
+    Computed from the tensor, not through ``t.untyped_storage()``: that creates
+    a Python object for the storage, which then lives as long as the storage
+    (torch 2.13), so that every C++ thread dropping a reference to it -- a
+    Gloo worker finishing a bucket's all-reduce -- takes the GIL, which aborts
+    the process during interpreter exit (graph_safe_backend.cpp, PythonFreeArgs)."""
+    try:
+        return t.data_ptr() - t.storage_offset() * t.element_size()
+    except (RuntimeError, NotImplementedError):  # no data pointer: sparse, some subclasses
+        pass
     try:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):

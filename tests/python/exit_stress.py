@@ -1,7 +1,7 @@
 """Exit stress: many 2-rank Gloo jobs that end normally or by error, counting aborts.
 
     python tests/python/exit_stress.py --n 500            # 500 process exits (250 jobs)
-    python tests/python/exit_stress.py --n 18             # what the slow pytest test runs
+    python tests/python/exit_stress.py --n 20             # what the slow pytest test runs
 
 The ranks import the pygraph_dist this Python finds (installed, or through
 PYTHONPATH=python with the extension built in place).
@@ -24,6 +24,13 @@ The ways to end (``--modes`` picks a subset):
   peer_raise  rank 1 raises mid-training; rank 0's next collective fails (exit 1, 1)
   peer_kill   rank 1 ends with os._exit(9) mid-training; rank 0's next collective fails
   in_flight   both ranks raise inside backward, with bucket all-reduces in flight (exit 1)
+  after_wait  both ranks wait for an async all-reduce and return at once, its tensor kept
+              alive into interpreter exit (exit 0): the Gloo thread drops the finished Work
+              while the interpreter finalizes (torch's stock Gloo aborts now and then: 1 in 16
+              exits here, 5 in 16 in a module-level script)
+
+``--backend gloo`` runs torch's stock Gloo instead of pygraph_dist's wrapped one,
+for comparison.
 """
 
 from __future__ import annotations
@@ -40,25 +47,43 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 MODES = ("normal", "shutdown", "raise", "sys_exit", "mixed", "destroy", "peer_raise", "peer_kill",
-         "in_flight")
+         "in_flight", "after_wait")
 EXPECTED = {"normal": (0, 0), "shutdown": (0, 0), "raise": (1, 1), "sys_exit": (3, 3),
             "mixed": (1, 3), "destroy": (1, 1), "peer_raise": (1, 1), "peer_kill": (1, 9),
-            "in_flight": (1, 1)}
+            "in_flight": (1, 1), "after_wait": (0, 0)}
 _LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELASTIC_")
 _LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 
 # ------------------------------------------------------------------ a rank
-def rank_main(mode: str, steps: int) -> None:
+class _Lingering:
+    """Keeps a tensor alive into interpreter exit, and exit busy for a moment:
+    module globals are cleared after the interpreter is marked finalizing."""
+
+    def __init__(self, tensor) -> None:
+        self.tensor = tensor
+
+    def __del__(self) -> None:
+        time.sleep(0.3)
+
+
+def rank_main(mode: str, steps: int, backend: str = "pgd") -> None:
     import torch
     from torch import nn
 
     import pygraph_dist as pgd
 
-    pgd.init()
+    pgd.init(backend="auto" if backend == "pgd" else backend)
     import torch.distributed as dist
 
     rank = dist.get_rank()
+    if mode == "after_wait":
+        x = torch.ones(1 << 16)
+        work = dist.all_reduce(x, async_op=True)
+        work.wait()
+        del work  # a Gloo thread may still hold it, and drop it a moment later
+        globals()["_linger"] = _Lingering(x)
+        sys.exit(0)
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
 
@@ -90,6 +115,7 @@ def rank_main(mode: str, steps: int) -> None:
     if mode == "shutdown":
         pgd.shutdown()
         return
+
     if mode == "destroy":
         dist.destroy_process_group()
         raise RuntimeError("exit_stress: error after destroy_process_group")
@@ -117,10 +143,10 @@ def _env(rank: int, port: int) -> dict:
     return env
 
 
-def _start_job(mode: str, steps: int, timeout: float):
+def _start_job(mode: str, steps: int, timeout: float, backend: str):
     port = _free_port()
     procs = [subprocess.Popen(
-        [sys.executable, __file__, "--rank-mode", mode, "--steps", str(steps)],
+        [sys.executable, __file__, "--rank-mode", mode, "--steps", str(steps), "--backend", backend],
         env=_env(rank, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=str(ROOT),
     ) for rank in range(2)]
     return {"mode": mode, "procs": procs, "deadline": time.monotonic() + timeout}
@@ -130,7 +156,8 @@ def _aborted(code: int, out: str) -> bool:
     return code in (-signal.SIGABRT, 128 + signal.SIGABRT) or "terminate called" in out
 
 
-def run(n: int, jobs: int, modes: tuple[str, ...], steps: int, timeout: float, verbose: bool) -> dict:
+def run(n: int, jobs: int, modes: tuple[str, ...], steps: int, timeout: float, verbose: bool,
+        backend: str = "pgd") -> dict:
     """Run ``n`` process exits (``n // 2`` jobs of 2 ranks), ``jobs`` jobs at a time."""
     todo = [modes[i % len(modes)] for i in range((n + 1) // 2)]
     running: list[dict] = []
@@ -138,7 +165,7 @@ def run(n: int, jobs: int, modes: tuple[str, ...], steps: int, timeout: float, v
     t0 = time.monotonic()
     while todo or running:
         while todo and len(running) < jobs:
-            running.append(_start_job(todo.pop(0), steps, timeout))
+            running.append(_start_job(todo.pop(0), steps, timeout, backend))
         time.sleep(0.05)
         for job in list(running):
             procs = job["procs"]
@@ -182,16 +209,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="training steps before the exit")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per job")
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--backend", default="pgd", choices=["pgd", "gloo"],
+                    help="pygraph_dist's wrapped Gloo (default) or torch's stock Gloo, for comparison")
     ap.add_argument("--rank-mode", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rank_mode:
-        rank_main(args.rank_mode, args.steps)
+        rank_main(args.rank_mode, args.steps, args.backend)
         return 0
     modes = tuple(m for m in args.modes.split(",") if m)
     unknown = set(modes) - set(MODES)
     if unknown:
         ap.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
-    s = run(args.n, args.jobs, modes, args.steps, args.timeout, args.verbose)
+    s = run(args.n, args.jobs, modes, args.steps, args.timeout, args.verbose, args.backend)
     per_mode = ", ".join(f"{k} {v['aborts']}/{v['exits']}" for k, v in s["by_mode"].items())
     print(f"exit_stress: {s['exits']} process exits in {s['seconds']} s: {s['aborts']} aborted, "
           f"{s['unexpected']} unexpected exit codes, {s['timeouts']} timed out (aborts by mode: {per_mode})",

@@ -237,7 +237,29 @@ def mode_capture(args) -> None:
     held_tls = _sys.getrefcount(obj) - base
     work.wait()
     del work
-    _write(args.out, dist.get_rank(), held_mode=held_mode, held_tls=held_tls, backend=dist.get_backend())
+    # 3. The collective's own tensors. Where a C++ reference to a tensor keeps
+    # its Python object alive (torch 2.13: ``tracks`` is 1), a Work holding the
+    # caller's tensor makes the Gloo thread that drops it take the GIL.
+    probe = torch.ones(4)
+    base = _sys.getrefcount(probe)
+    view = probe.view(-1)  # a C++ reference (the view's base)
+    tracks = _sys.getrefcount(probe) - base
+    del view
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    x = torch.full((1000,), float(rank + 1))
+    outs = [torch.zeros(1000) for _ in range(ws)]
+    work = dist.all_reduce(x, async_op=True)
+    gather = dist.all_gather(outs, torch.full((1000,), float(rank)), async_op=True)
+    in_flight = [_sys.getrefcount(t) for t in [x, *outs]]
+    work.wait()
+    gather.wait()
+    del work, gather
+    # What the Works held: the counts with them alive, less the counts without.
+    after = [_sys.getrefcount(t) for t in [x, *outs]]
+    held_tensor = max(a - b for a, b in zip(in_flight, after))
+    values_ok = bool((x == ws * (ws + 1) / 2).all()) and all(bool((o == r).all()) for r, o in enumerate(outs))
+    _write(args.out, rank, held_mode=held_mode, held_tls=held_tls, backend=dist.get_backend(),
+           tracks=tracks, held_tensor=held_tensor, values_ok=values_ok)
     dist.destroy_process_group()
 
 

@@ -17,13 +17,17 @@ import pytest
 
 from conftest import ROOT, child_env, free_port
 
-N_EXITS = 18  # 9 jobs of 2 ranks: each mode once; about a minute on 2 cores
+N_EXITS = 20  # 10 jobs of 2 ranks: each mode once; about a minute on 2 cores
 
 
 @pytest.mark.slow
 def test_exits_never_abort():
-    # The in_flight abort seen once in CI (2026-11-23) was Gloo threads outliving a
-    # group that torch._dynamo kept alive (fixed in init()); 500 exits since: 0 aborts.
+    # Two causes of in_flight aborts seen in CI: Gloo threads outliving a group that
+    # torch._dynamo kept alive (fixed in init()), and (2026-11-24) a Gloo thread
+    # dropping a finished Work's tensors, whose Python objects it then decrefs
+    # under the GIL while the interpreter finalizes (fixed in graph_safe_backend.cpp:
+    # the Works hold Python-free aliases; test below). after_wait provokes the
+    # second directly.
     script = Path(__file__).with_name("exit_stress.py")
     p = subprocess.run([sys.executable, str(script), "--n", str(N_EXITS), "--timeout", "120"],
                        capture_output=True, text=True, timeout=280, cwd=str(ROOT))
@@ -32,12 +36,13 @@ def test_exits_never_abort():
     assert f"{N_EXITS} process exits" in summary and ": 0 aborted" in summary, summary
 
 
-def _two_ranks(case: str, out: Path) -> list[dict]:
-    """Run a faults_workers.py case as 2 Gloo ranks; each rank's JSON result."""
+def _two_ranks(case: str, out: Path, backend: str = "pgd") -> list[dict]:
+    """Run a faults_workers.py case as 2 Gloo ranks (``backend``: pygraph_dist's
+    wrapped Gloo, or torch's stock ``gloo``); each rank's JSON result."""
     worker = Path(__file__).with_name("faults_workers.py")
     port = str(free_port())
     procs = [subprocess.Popen(
-        [sys.executable, str(worker), case, "--out", str(out), "--backend", "pgd"],
+        [sys.executable, str(worker), case, "--out", str(out), "--backend", backend],
         env=child_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, CUDA_VISIBLE_DEVICES=""),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT)) for r in range(2)]
@@ -60,6 +65,21 @@ def test_collective_works_hold_no_python_objects(tmp_path):
         assert res["backend"] == "pgd_gloo", res
         assert res["held_tls"] == 0, res
         assert res["held_mode"] == 0, res
+        # The CI abort of 2026-11-23 (in_flight: pt_gloo_runloop ->
+        # TensorImpl::decref_pyobject): the Work held the caller's tensors.
+        # Through pygraph_dist's backend it holds Python-free aliases, and the
+        # collectives still write the caller's memory.
+        assert res["held_tensor"] == 0, res
+        assert res["values_ok"], res
+
+
+def test_stock_gloo_works_hold_the_callers_tensors(tmp_path):
+    """The control for the test above: torch's own Gloo Work keeps the caller's
+    tensors, and so their Python objects where torch ties the two (2.13)."""
+    for res in _two_ranks("mode_capture", tmp_path, backend="gloo"):
+        assert res["backend"] == "gloo", res
+        assert res["held_tensor"] == res["tracks"], res
+        assert res["values_ok"], res
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
