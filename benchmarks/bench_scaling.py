@@ -121,6 +121,8 @@ from floor import floor_for, floor_table, measure_floor  # noqa: E402
 from noise import noisy_cpus, pin_threads, start_busy, stop_busy, unpin_threads  # noqa: E402
 from workloads import autocast_bf16, build_on  # noqa: E402
 
+# Environment variables recorded in the results' environment["settings"].
+SETTING_PREFIXES = ("PYGRAPH_DIST_", "NCCL_", "TORCH_NCCL_", "PYTORCH_CUDA_ALLOC_CONF", "CUDA_DEVICE_MAX_CONNECTIONS")
 NO_NVLS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # --wrap-kwargs, set in each worker from its plan: added to every pgd mode's wrap() call.
 WRAP_EXTRA: dict = {}
@@ -828,6 +830,8 @@ def environment() -> dict:
         "cpus": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)),
         "nvls_disabled": os.environ.get("NCCL_NVLS_ENABLE") == "0",
+        # what the ranks ran with (sweep.py varies these)
+        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith(SETTING_PREFIXES)},
     }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()

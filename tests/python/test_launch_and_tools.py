@@ -87,6 +87,47 @@ def test_benchmark_harness_smoke(tmp_path):
     assert (tmp_path / "smoke-efficiency.png").exists()
 
 
+def test_sweep_variant_specs():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from sweep import parse_variant
+
+    assert parse_variant("base") == {"name": "base", "env": {}, "wrap_kwargs": {}}
+    assert parse_variant("ctas:NCCL_MAX_CTAS=4,NCCL_PROTO=Simple") == {
+        "name": "ctas", "env": {"NCCL_MAX_CTAS": "4", "NCCL_PROTO": "Simple"}, "wrap_kwargs": {}}
+    assert parse_variant('b50:{"bucket_cap_mb": 50}')["wrap_kwargs"] == {"bucket_cap_mb": 50}
+    both = parse_variant('x:A=1:{"bucket_cap_mb": 5, "select": false}')
+    assert both["env"] == {"A": "1"} and both["wrap_kwargs"] == {"bucket_cap_mb": 5, "select": False}
+    for bad, why in [("x:A", "not VAR=VALUE"), ("x:{[1]}", "not JSON"), ('x:{"a": 1', "not JSON"),
+                     ("x y", "name"), ('x{"a": 1}', "NAME:")]:
+        with pytest.raises(SystemExit, match=why):
+            parse_variant(bad)
+
+
+@pytest.mark.slow
+def test_sweep_runs_each_variant_with_its_settings(tmp_path):
+    """benchmarks/sweep.py: each variant's environment reaches the ranks (recorded
+    in the results' settings) and its wrap() arguments reach wrap() (bucket count)."""
+    pytest.importorskip("matplotlib", reason="the sweep's plot needs matplotlib")
+    p = subprocess.run([sys.executable, "benchmarks/sweep.py", "--variant", "base",
+                        "--variant", 'small:PYGRAPH_DIST_FAST_CASTS=0:{"bucket_cap_mb": 0.001}',
+                        "--name", "sw", "--out-dir", str(tmp_path), "--no-repeat",
+                        "--workloads", "tiny", "--world-sizes", "1,2", "--modes", "pgd",
+                        "--conditions", "baseline", "--iters", "6", "--no-floor"],
+                       cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    result = json.loads((tmp_path / "sw.json").read_text())
+    base, small = result["variants"]
+    assert result["complete"] and [base["name"], small["name"]] == ["base", "small"]
+    assert "PYGRAPH_DIST_FAST_CASTS" not in base["settings"]
+    assert small["settings"]["PYGRAPH_DIST_FAST_CASTS"] == "0"
+    for v in (base, small):
+        assert sorted(c["world_size"] for c in v["cells"] if c["status"] == "ok") == [1, 2], v
+    buckets = {v["name"]: {c["pgd_buckets"] for c in v["cells"]} for v in (base, small)}
+    assert max(buckets["base"]) < min(buckets["small"]), buckets
+    assert "small" in p.stdout and "vs ref" in p.stdout
+    assert (tmp_path / "sw.png").stat().st_size > 0
+
+
 def test_profile_replay_timeline_arithmetic():
     # benchmarks/profile_replay.py's reading of a kernel timeline (the GPU run is not testable here).
     sys.path.insert(0, str(ROOT / "benchmarks"))
