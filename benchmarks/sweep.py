@@ -94,7 +94,7 @@ def table(variants: list[dict]) -> str:
                 rows.setdefault((c["workload"], c["mode"], c.get("loop", "inside")), {})[c["world_size"]] = c
         for k, per_n in sorted(rows.items()):
             top = per_n[max(per_n)]
-            eff = top.get("scaling_efficiency")
+            eff = top.get("scaling_efficiency") if max(per_n) > 1 else None
             if i == 0:
                 ref[k] = top["ms_per_it"]
             vs = f"{top['ms_per_it'] / ref[k]:.3f}" if k in ref and i else ""
