@@ -79,6 +79,11 @@ def run_variant(v: dict, bench_args: list[str], out_dir: Path, stem: str, log) -
             "cells": result["cells"], "results_file": path.name}
 
 
+def _row(c: dict) -> tuple:
+    """A cell's row across variants and world sizes: (workload, mode, loop)."""
+    return c["workload"], c["mode"], c.get("loop", "inside")
+
+
 def table(variants: list[dict]) -> str:
     """One line per variant, workload, mode and loop: ms/it per world size, efficiency, vs the reference."""
     ref = {}
@@ -91,7 +96,7 @@ def table(variants: list[dict]) -> str:
         rows: dict[tuple, dict] = {}
         for c in v["cells"]:
             if c["status"] == "ok" and c.get("condition", "baseline") == "baseline":
-                rows.setdefault((c["workload"], c["mode"], c.get("loop", "inside")), {})[c["world_size"]] = c
+                rows.setdefault(_row(c), {})[c["world_size"]] = c
         for k, per_n in sorted(rows.items()):
             top = per_n[max(per_n)]
             eff = top.get("scaling_efficiency") if max(per_n) > 1 else None
@@ -118,7 +123,7 @@ def plot(variants: list[dict], png: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    keys = sorted({(c["workload"], c["mode"], c.get("loop", "inside")) for v in variants for c in v["cells"]
+    keys = sorted({_row(c) for v in variants for c in v["cells"]
                    if c["status"] == "ok"})
     sizes = sorted({c["world_size"] for v in variants for c in v["cells"] if c["status"] == "ok"})
     if not keys or not sizes:
@@ -131,7 +136,7 @@ def plot(variants: list[dict], png: Path) -> Path | None:
             ys, xs, effs = [], [], []
             for i, v in enumerate(variants):
                 c = next((c for c in v["cells"] if c["status"] == "ok" and c["world_size"] == n
-                          and (c["workload"], c["mode"], c.get("loop", "inside")) == k), None)
+                          and _row(c) == k), None)
                 if c:
                     ys.append(i + j * h)
                     xs.append(c["ms_per_it"])

@@ -120,7 +120,7 @@ class PythonTlsObjectsHidden {
 // which the process group joins when it is destroyed.
 class PythonFreeArgs {
  public:
-  explicit PythonFreeArgs(bool enabled) : enabled_(enabled) {}
+  PythonFreeArgs() = default;
   ~PythonFreeArgs() {
     for (auto& [slot, original] : saved_) {
       *slot = std::move(original);
@@ -131,7 +131,7 @@ class PythonFreeArgs {
 
   PythonFreeArgs& operator()() { return *this; }
   PythonFreeArgs& operator()(at::Tensor& t) {
-    if (enabled_ && aliasable(t)) {
+    if (aliasable(t)) {
       auto impl = c10::make_intrusive<c10::TensorImpl>(
           c10::Storage(t.storage()), t.key_set(), t.dtype());
       impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
@@ -154,15 +154,14 @@ class PythonFreeArgs {
   }
 
  private:
-  // Plain dense tensors only: sparse ones, tensor subclasses (Python dispatch
-  // key) and lazily conjugated/negated views go to the backend as they are.
+  // Plain dense CPU tensors only: CUDA, sparse ones, tensor subclasses (Python
+  // dispatch key) and lazily conjugated/negated views go to the backend as they are.
   static bool aliasable(const at::Tensor& t) {
     return t.defined() && t.layout() == c10::kStrided && t.has_storage() &&
         !t.key_set().has(c10::DispatchKey::Python) && !t.is_conj() && !t.is_neg() &&
         t.device().is_cpu();
   }
 
-  bool enabled_;
   std::vector<std::pair<at::Tensor*, at::Tensor>> saved_;
 };
 
@@ -337,7 +336,7 @@ c10::intrusive_ptr<Work> GraphSafeBackend::endCoalescing() {
 #define PGD_FORWARD(OPNAME, RECORD, CALL, TENSORS)          \
   const bool was_capturing = enter(RECORD);                  \
   PythonTlsObjectsHidden hidden;                             \
-  PythonFreeArgs python_free(device_type_ == "cpu");         \
+  PythonFreeArgs python_free;                                \
   python_free TENSORS;                                       \
   return leave(inner_->CALL, was_capturing, OPNAME)
 

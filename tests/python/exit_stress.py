@@ -115,7 +115,6 @@ def rank_main(mode: str, steps: int, backend: str = "pgd") -> None:
     if mode == "shutdown":
         pgd.shutdown()
         return
-
     if mode == "destroy":
         dist.destroy_process_group()
         raise RuntimeError("exit_stress: error after destroy_process_group")
