@@ -102,15 +102,15 @@ class Engine:
         devices = sorted({str(p.device) for _, p in named}) or ["cpu"]
         self.device = torch.device(devices[0])
         self.amp = parse_amp(config.amp, self.device.type)
+        sparse = sparse_param_names(module, {n for n, _ in named})
         self.opt_plan = prepare_optimizer(optimizer, device=self.device, amp=self.amp,
-                                          skip_nonfinite=config.skip_nonfinite)
+                                          skip_nonfinite=config.skip_nonfinite, sparse=bool(sparse))
         self.graphs_reason = self._why_no_graphs(devices)
         self.graphs_possible = not self.graphs_reason and self.device.type == "cuda"
 
         grad_scaler = make_grad_scaler(self.device.type) if self.amp.needs_grad_scaler else None
         if grad_scaler is not None:
             ensure_scale_initialised(grad_scaler, self.device)
-        sparse = sparse_param_names(module, {n for n, _ in named})
         if sparse:
             check_sparse_support(sparse, optimizer, self.amp, config)
         self.reducer = GradientReducer(named, self.group, config.bucket_cap_mb,
@@ -177,6 +177,9 @@ class Engine:
         if self.opt_plan.changes and self.rank == 0:
             logger.info("optimizer %s reconfigured for capture: %s", self.step.optimizer_class.__name__,
                         ", ".join(self.opt_plan.changes))
+        if self.opt_plan.sgd_float_lr and self.graphs_possible and self.rank == 0:
+            logger.info("SGD's lr stays a float baked into the graphs (a change of lr captures again): %s",
+                        self.opt_plan.sgd_float_lr)
         if self.graphs_reason and self.rank == 0:
             logger.info("graphs unavailable: %s", self.graphs_reason)
         self.serial = lifetime.register(self)
@@ -479,7 +482,8 @@ class Engine:
 
     def on_optimizer_state_loaded(self, extra) -> None:
         self.opt_plan = prepare_optimizer(self.optimizer, device=self.device, amp=self.amp,
-                                          skip_nonfinite=self.config.skip_nonfinite)
+                                          skip_nonfinite=self.config.skip_nonfinite,
+                                          sparse=bool(self.reducer.sparse_params))
         if extra and self.grad_scaler is not None and "grad_scaler" in extra:
             self.grad_scaler.load_state_dict(extra["grad_scaler"])
         self.opt_state_version += 1

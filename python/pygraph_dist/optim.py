@@ -17,8 +17,13 @@ What "capturable" needs, on torch 2.11 (reference notes §2.3–2.4):
     scale on the device (``_step_supports_amp_scaling``: fused Adam, AdamW,
     SGD), so fp16 turns ``fused=True`` on.
   * SGD has no ``capturable`` option and its foreach path turns a tensor lr
-    into a host scalar, so its lr stays a float baked into the graph: a
-    change of lr makes the engine capture again.
+    into a host scalar; its fused kernel reads a tensor lr on the device
+    (``_fused_sgd_.tensor_lr``). So SGD is switched to ``fused=True`` with the
+    lr as a device tensor, like Adam's: an lr schedule that changes every step
+    reaches the graph without capturing again. Where the fused kernel cannot
+    be used (sparse gradients, a non-float parameter, a tensor weight decay or
+    momentum, a torch without the overload) the lr stays a float baked into
+    the graph, and a change of lr makes the engine capture again.
 The same changes apply whether or not graphs end up being used, so that eager
 and graphed training run the same arithmetic.
 """
@@ -46,12 +51,18 @@ class OptimizerPlan:
     changes: list[str] = field(default_factory=list)
     # Per param group: the device tensor that holds its lr, or None (float lr).
     lr_tensors: list[torch.Tensor | None] = field(default_factory=list)
+    # SGD only: why its lr stays a float baked into the graph ("" when on the device).
+    sgd_float_lr: str = ""
 
 
 def prepare_optimizer(
-    opt: torch.optim.Optimizer, *, device: torch.device, amp: AmpConfig, skip_nonfinite: bool = False
+    opt: torch.optim.Optimizer, *, device: torch.device, amp: AmpConfig, skip_nonfinite: bool = False,
+    sparse: bool = False,
 ) -> OptimizerPlan:
-    """Reconfigure ``opt`` for capture on ``device``; say what changed and why not if it cannot be."""
+    """Reconfigure ``opt`` for capture on ``device``; say what changed and why not if it cannot be.
+
+    ``sparse``: the model has parameters with sparse gradients (stepped by the
+    same optimizer, eagerly), which SGD's fused kernel does not take."""
     plan = OptimizerPlan(graphable=True)
     cls = type(opt)
     name = cls.__name__
@@ -100,9 +111,21 @@ def prepare_optimizer(
                 _note(plan, "fused=True (fp16 loss scaling without a host sync)")
         opt._step_supports_amp_scaling = True  # what fused=True sets in __init__
 
+    device_lr = isinstance(opt, _TENSOR_LR)
+    if isinstance(opt, torch.optim.SGD):
+        why_not = _sgd_device_lr_problem(opt, sparse)
+        if why_not is None:
+            device_lr = True
+            for g in opt.param_groups:
+                if not g.get("fused"):
+                    g["fused"] = True
+                    g["foreach"] = None
+                    _note(plan, "fused=True (its kernel reads the lr on the device)")
+        else:
+            plan.sgd_float_lr = why_not
     for g in opt.param_groups:
         lr = g["lr"]
-        if isinstance(opt, _TENSOR_LR):
+        if device_lr:
             if not isinstance(lr, torch.Tensor):
                 # Schedulers created later take their base lr from initial_lr: keep it a float.
                 g.setdefault("initial_lr", float(lr))
@@ -123,6 +146,27 @@ def prepare_optimizer(
         elif step is not None and not isinstance(step, torch.Tensor):
             state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device)
     return plan
+
+
+_FUSED_SGD_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _sgd_device_lr_problem(opt: torch.optim.SGD, sparse: bool) -> str | None:
+    """Why SGD cannot run fused with a device lr here, or None if it can."""
+    if "tensor_lr" not in torch.ops.aten._fused_sgd_.overloads():
+        return f"torch {torch.__version__} has no fused SGD kernel that reads a tensor lr"
+    if sparse:
+        return "the model has sparse gradients, which SGD's fused kernel does not take"
+    for i, g in enumerate(opt.param_groups):
+        if g.get("differentiable"):
+            return f"param group {i} has differentiable=True"
+        for k in ("weight_decay", "momentum", "dampening"):
+            if isinstance(g.get(k), torch.Tensor):
+                return f"param group {i}'s {k} is a tensor; the fused kernel takes a float"
+        for p in g["params"]:
+            if p.dtype not in _FUSED_SGD_DTYPES or p.device.type != "cuda":
+                return f"a parameter is {p.dtype} on {p.device}; the fused kernel takes CUDA floats"
+    return None
 
 
 def _note(plan: OptimizerPlan, change: str) -> None:

@@ -20,7 +20,8 @@ from torch import nn
 
 import pygraph_dist as pgd
 
-from common import MLP, adamw, data, device, flat_params, gpu_model, max_diff, ranks_agree, train
+from common import (MLP, SparseLM, adamw, data, device, flat_params, gpu_model, max_diff, ranks_agree,
+                    token_data, train)
 from conftest import ROOT, child_env, free_port, run_ranks
 
 
@@ -285,14 +286,38 @@ def gpu_loop_checks():
     except pgd.LoopConformanceError as exc:
         out["after_capture_error"] = str(exc)
 
-    # SGD's lr is baked into the graph: changing it releases the only graph and
-    # captures again (into a fresh pool: the released pool id is dead).
-    base = gpu_model(0, 0.0)
+    # SGD runs fused and reads its lr on the device: an lr schedule that changes
+    # every step and a plain assignment reach the graph without a new capture,
+    # bitwise equal to graphs=False.
+    def sgd_scheduled(graphs):
+        base = gpu_model(0, 0.0)
+        sgd = torch.optim.SGD(base.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
+        model, opt = pgd.wrap(base, sgd, warmup=1, graphs=graphs)
+        warmup_cosine = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / 4) * 0.5 * (1 + math.cos(math.pi * s / 24)))
+        losses = train(model, opt, 12, rank, dev=dev, scheduler=warmup_cosine)
+        for g in opt.param_groups:
+            g["lr"] = 0.05
+        losses += train(model, opt, 8, rank, dev=dev)
+        return flat_params(base), losses, pgd.report().models[-1]
+
+    p_graphed, l_graphed, rep = sgd_scheduled(True)
+    p_eager, l_eager, _ = sgd_scheduled(False)
+    g = rep.graphs[0]
+    out["sgd_schedule"] = {"phase": g.phase, "recaptures": g.recaptures, "replays": g.replays,
+                           "changes": rep.optimizer_changes, "bitwise": bool(torch.equal(p_graphed, p_eager)),
+                           "losses_equal": l_graphed == l_eager, "report": str(pgd.report())}
+
+    # Where SGD cannot run fused (a sparse embedding's gradient), its lr stays
+    # a float baked into the graph: changing it captures again.
+    torch.manual_seed(0)
+    base = SparseLM().to(dev)
     model, opt = pgd.wrap(base, torch.optim.SGD(base.parameters(), lr=0.1), warmup=1)
-    train(model, opt, 8, rank, dev=dev)
+    batches = lambda step: token_data(step, rank, device=dev)  # noqa: E731
+    train(model, opt, 8, rank, make_batch=batches)
     for g in opt.param_groups:
         g["lr"] = 0.05
-    train(model, opt, 8, rank, dev=dev)
+    train(model, opt, 8, rank, make_batch=batches)
     g = pgd.report().models[-1].graphs[0]
     out["sgd_lr_change"] = [g.phase, g.recaptures, g.replays, g.reason]
     return out
@@ -306,6 +331,10 @@ def test_loop_checks_on_gpu(ranks):
     assert "host synchronisation" in r["sync_reason"] and "test_gpu.py:" in r["sync_reason"], r
     assert r["replays_before_change"] > 0
     assert "after graphs were captured" in r["after_capture_error"], r
+    sched = r["sgd_schedule"]
+    assert sched["phase"] == "replay" and sched["recaptures"] == 0 and sched["replays"] >= 15, sched["report"]
+    assert any("fused=True" in c for c in sched["changes"]), sched["changes"]
+    assert sched["bitwise"] and sched["losses_equal"], sched["report"]
     phase, recaptures, replays, reason = r["sgd_lr_change"]
     assert phase == "replay" and recaptures == 1 and replays >= 8, r["sgd_lr_change"]
 
