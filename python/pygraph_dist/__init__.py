@@ -121,6 +121,7 @@ def wrap(
     grad_comm_dtype: torch.dtype | str | None = None,
     compile: bool | dict = False,
     learn_accumulation: bool = True,
+    ignore_args: tuple[str, ...] | list[str] = (),
 ) -> tuple[GraphedModule, torch.optim.Optimizer]:
     """Wrap a model and its optimizer for graphed data-parallel training.
 
@@ -180,6 +181,15 @@ def wrap(
             micro-batch, are reduced eagerly first (reported); a loop that
             reads gradients between micro-batches is not deferred.
             ``False``: every micro-batch all-reduces, as DDP.
+        ignore_args: names of ``forward`` arguments (int or float) that the
+            forward does not read, such as Lightning's ``batch_idx``: calls
+            that differ only in them share a graph. Without this, each value
+            of a Python argument is a signature of its own, and an argument
+            that changes every call never reaches a graph (pygraph_dist warns
+            when one takes three values). While the loop is probed, the values
+            reach the forward as watched stand-ins; a forward that reads one
+            (arithmetic, comparison, printing, a torch call) keeps the loop
+            eager, with the line that read it in ``report()``.
 
     Returns ``(GraphedModule, optimizer)``; the optimizer is the same object,
     made capturable and routed through the engine.
@@ -194,6 +204,7 @@ def wrap(
         select=select, select_margin=select_margin, pad_batch_to=pad_batch_to, pad_value=pad_value,
         skip_nonfinite=skip_nonfinite, grad_comm_dtype=grad_comm_dtype,
         compile=compile_kwargs(compile), learn_accumulation=learn_accumulation,
+        ignore_args=ignore_args,
     )
     engine = Engine(model, optimizer, config, process_group)
     return GraphedModule(model, engine), optimizer

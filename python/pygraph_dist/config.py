@@ -37,6 +37,7 @@ class WrapConfig:
     grad_comm_dtype: torch.dtype | None = None
     compile: dict | None = None  # torch.compile arguments (compiled.compile_kwargs)
     learn_accumulation: bool = True  # accumulation.py
+    ignore_args: tuple[str, ...] = ()  # arguments.py
 
 
 COMM_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16}
@@ -49,6 +50,11 @@ def make_config(**kwargs: Any) -> WrapConfig:
     kwargs["pad_batch_to"] = tuple(sorted(pad_batch_to))
     kwargs["pad_value"] = tuple(pad_value) if isinstance(pad_value, (list, tuple)) else pad_value
     kwargs["eager_params"] = tuple(kwargs.get("eager_params", ()))
+    ignore_args = kwargs.get("ignore_args", ())
+    kwargs["ignore_args"] = (ignore_args,) if isinstance(ignore_args, str) else tuple(ignore_args)
+    if not all(isinstance(n, str) and n for n in kwargs["ignore_args"]):
+        raise TypeError(f"ignore_args takes argument names of the module's forward (strings), got "
+                        f"{ignore_args!r}")
     comm = kwargs.get("grad_comm_dtype")
     if comm is not None:
         key = comm.lower() if isinstance(comm, str) else str(comm)

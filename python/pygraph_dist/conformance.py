@@ -64,6 +64,7 @@ class LoopState:
         self.output_nodes: set = set()
         self.param_ids: set[int] = set()
         self.monitor = LoopMonitor(self, owned_storages) if monitor else None
+        self.forward_violations: list[Violation] = []
 
     @property
     def owned(self) -> bool:
@@ -83,6 +84,13 @@ class LoopState:
             raise LoopConformanceError(f"{what} at {user_location()}, after graphs were captured. {fix}")
         if self.monitor is not None and self.monitor.active:
             self.monitor.record(what, fix, split_ok=split_ok)
+
+    def forward_violation(self, what: str, where: str, fix: str) -> None:
+        """Something the probe saw inside the forward (outside the monitor's
+        window), judged with the rest at ``optimizer.step()``. Tier 2 replays
+        the forward too, so it does not honour it."""
+        if self.monitor is not None:
+            self.forward_violations.append(Violation(what, where, fix, split_ok=False))
 
     def watch(self, window: str) -> None:
         """Start (or move) the monitor's window over the user's code."""
@@ -232,7 +240,8 @@ class LoopState:
         if self.stage is Stage.FORWARD and (self.owned or probe) and self.monitor is not None:
             self.violation("optimizer.step() was called without loss.backward()",
                            "A graph always runs backward before the step. Call loss.backward().")
-        seen = self.stop()
+        seen = self.stop() + self.forward_violations
+        self.forward_violations = []
         if self.owned and seen:
             raise LoopConformanceError(
                 f"{seen[0]} — after graphs were captured, the optimizer step already ran inside "

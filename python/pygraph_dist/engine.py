@@ -36,6 +36,7 @@ so graphed training is bitwise identical to the engine's eager mode
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -50,6 +51,7 @@ from . import agreement, kernels, lifetime
 from .accumulation import LearnedAccumulation
 from ._ext import C, graphs_available
 from .amp import ensure_scale_initialised, make_grad_scaler, parse_amp
+from .arguments import IgnoredArgs, VaryingScalars, leaf_name
 from .backend import graph_safe_backend
 from .compiled import TIMER as COMPILE_TIMER
 from .compiled import CompileStats, disable_donated_buffers, is_compiled
@@ -132,6 +134,8 @@ class Engine:
         if config.compile is not None:
             self.step.call = torch.compile(module, **config.compile)  # the module itself stays as is
         self.compiled = config.compile is not None or self.compile_user
+        self.ignored = IgnoredArgs(config.ignore_args, module)
+        self.varying = VaryingScalars()
         self.compile_stats = CompileStats()
         if self.compiled:
             COMPILE_TIMER.install()
@@ -235,7 +239,7 @@ class Engine:
             self.loop.model_called(in_no_sync=not self.require_sync)
             if self._split_step is not None:
                 leaves, spec = pytree.tree_flatten((args, kwargs))
-                entry = self.cache.find(leaves, spec, self._ambient())
+                entry = self.cache.find(*self._signature(args, kwargs, leaves, spec), self._ambient())
                 out = self._split_forward(entry, leaves) if entry is not None else None
                 if out is not None:
                     return out
@@ -244,7 +248,7 @@ class Engine:
         self.iteration += 1
         args, kwargs = self.cache.pad(args, kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        entry = self._entry_for(leaves, spec)
+        entry = self._entry_for(*self._signature(args, kwargs, leaves, spec))
         if entry.policy.phase == Phase.REPLAY:
             drift = self.cache.drift(entry, self.reducer.params, self.optimizer,
                                      self.opt_plan.lr_tensors, self.opt_state_version)
@@ -290,10 +294,21 @@ class Engine:
         kind = self.device.type
         return (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
 
+    def _signature(self, args: tuple, kwargs: dict, leaves: list, spec) -> tuple[list, object]:
+        """The leaves and structure a call's signature is made of: the call's
+        own, with the ``ignore_args`` values masked (each is one leaf, so the
+        positions of the tensors do not move)."""
+        if not self.ignored:
+            return leaves, spec
+        return pytree.tree_flatten(self.ignored.mask(args, kwargs))
+
     def _entry_for(self, leaves: list, spec) -> GraphEntry:
         entry, new = self.cache.lookup(leaves, spec, self._ambient())
         if not new:
             return entry
+        if entry.key[0] != "unhashable":
+            for i in self.varying.new_signature(entry.key[1], spec, entry.key[2]):
+                self._warn_varying(entry, leaf_name(self.module, leaves, spec, i))
         probe = 0 if self.loop.probe_done else max(1, self.config.probe)
         # Once one signature has been captured, the lazy initialisation warm-up
         # exists for (optimizer state, cuBLAS workspaces on the capture stream,
@@ -313,6 +328,17 @@ class Engine:
         elif probe == 0 and self.graphs_reason:
             entry.policy.disable(self.graphs_reason)
         return entry
+
+    def _warn_varying(self, entry: GraphEntry, name: str) -> None:
+        detail = (f"argument {name} of the model call has taken {VaryingScalars.THRESHOLD} different "
+                  "values in calls with the same tensor shapes: graphs are captured per value of a "
+                  "Python argument (the forward may read it), so calls with a new value run eagerly. "
+                  f"If the forward does not use it (like Lightning's batch_idx), pass "
+                  f"wrap(..., ignore_args=[{name}]); if it does, pass it as a tensor or leave it out "
+                  "of the call")
+        self.cache.event(entry, self.iteration, "argument varies", detail)
+        if self.rank == 0:
+            logger.warning("%s.", detail)
 
     # ---------------------------------------------------------------- tier 2
     def _split_call(self, entry: GraphEntry, phase, args, kwargs, leaves):
@@ -378,9 +404,21 @@ class Engine:
         self.loop.user_forward(probe=probe,
                                grads_present=any(p.grad is not None for p in self.reducer.params))
         args, kwargs = self.step.to_device(args, kwargs)
+        watcher = None
+        if probe and self.ignored and not self.compiled:
+            args, kwargs, watcher = self.ignored.watch(args, kwargs)
         with self.step.on_compute_stream(), watch_host_syncs(
-                probe and self.device.type == "cuda", self.runner.sync_sites):
+                probe and self.device.type == "cuda", self.runner.sync_sites), \
+                watcher if watcher is not None else contextlib.nullcontext():
             loss, out = self.step.forward(args, kwargs, sync=self._call_sync, need_loss=False)
+        if watcher is not None:
+            watcher.on = False
+            for name, how, where in watcher.uses:
+                self.loop.forward_violation(
+                    f"the forward reads {name!r} ({how}), which wrap(ignore_args=...) leaves out of the "
+                    "graphs' signatures", where,
+                    f"A graph would replay the value it was captured with. Remove {name!r} from "
+                    "ignore_args (each value then gets its own graph), or stop reading it in forward.")
         if self.grad_scaler is not None:
             # amp="fp16": the scale is applied in backward. To the loss when the
             # module returns one; otherwise to every output, so that whatever
