@@ -106,6 +106,12 @@ class _Watcher(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _forward_of(module: torch.nn.Module) -> Callable:
+    """The forward whose parameters name the call's arguments (a module compiled
+    by ``torch.compile`` forwards ``*args, **kwargs`` to the original's)."""
+    return getattr(module, "_orig_mod", module).forward
+
+
 class IgnoredArgs:
     """``wrap(..., ignore_args=names)``: arguments of the model call left out of
     the input signature, by name (positional arguments are matched through the
@@ -115,7 +121,7 @@ class IgnoredArgs:
         self.names = tuple(names)
         self.positions: dict[int, str] = {}
         try:
-            params = list(inspect.signature(module.forward).parameters.values())
+            params = list(inspect.signature(_forward_of(module)).parameters.values())
         except (TypeError, ValueError):  # no signature to read: keyword arguments only
             params = []
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -126,7 +132,8 @@ class IgnoredArgs:
                 self.positions[index] = name
             elif not takes_any_keyword and not any(p.name == name for p in params):
                 raise ValueError(
-                    f"ignore_args names {name!r}, which {type(module).__name__}.forward does not take "
+                    f"ignore_args names {name!r}, which "
+                    f"{type(getattr(module, '_orig_mod', module)).__name__}.forward does not take "
                     f"(its arguments: {', '.join(p.name for p in params) or 'none'}).")
 
     def __bool__(self) -> bool:
@@ -202,7 +209,7 @@ def leaf_name(module: torch.nn.Module, leaves: list, spec, index: int) -> str:
         return "an argument"
     top = path[0]
     try:
-        positional = [p.name for p in inspect.signature(module.forward).parameters.values()
+        positional = [p.name for p in inspect.signature(_forward_of(module)).parameters.values()
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         positional = []
