@@ -204,7 +204,7 @@ class GraphRunner:
         step = self.step
 
         def capturing(g):
-            return torch.cuda.graph(g, pool=pool, stream=step.stream, capture_error_mode="thread_local")
+            return capture_into(g, pool=pool, stream=step.stream)
 
         if not entry.eager_buckets:
             with capturing(graph), self.casts():
@@ -345,6 +345,54 @@ def _exception_chain(error: BaseException | None, limit: int = 6):
 def _bucket_error(error: BaseException | None) -> BucketCaptureError | None:
     """The BucketCaptureError in ``error``'s chain, if a bucket's all-reduce caused it."""
     return next((e for e in _exception_chain(error) if isinstance(e, BucketCaptureError)), None)
+
+
+class GraphUnsafeRNGError(RuntimeError):
+    """The captured iteration read or restored the CUDA RNG state on the host."""
+
+
+_RNG_STATE_FUNCTIONS = ("get_rng_state", "set_rng_state")
+
+
+def _refusing_while_capturing(name: str, original):
+    def guarded(*args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            raise GraphUnsafeRNGError(
+                f"{NOT_CAPTURABLE_TAG}torch.cuda.{name}() while capturing (torch.utils.checkpoint with "
+                "preserve_rng_state=True): a replay would restore the captured RNG state, so recomputed "
+                "dropout masks would not match the forward's. Use preserve_rng_state=False if the "
+                "checkpointed layers draw no random numbers; otherwise this trains eagerly")
+        return original(*args, **kwargs)
+
+    guarded.__wrapped__ = original
+    return guarded
+
+
+@contextlib.contextmanager
+def capture_into(graph, *, pool, stream):
+    """``torch.cuda.graph`` as every capture here uses it, with the host-side
+    CUDA RNG state calls refused while it records.
+
+    ``torch.cuda.get_rng_state``/``set_rng_state`` copy the generator's seed and
+    offset to and from the host. A graph records neither: every replay would
+    draw from the offsets the capture saw, where the forward's own draws move
+    on (graph-safe philox offsets). ``torch.utils.checkpoint`` saves the state
+    in forward and restores it for the recomputation in backward, so a graphed
+    checkpointed layer with dropout would recompute with other masks than its
+    forward used: silently wrong gradients. Refusing makes the capture fail
+    with that reason, agreed by all ranks, and the iteration runs eagerly."""
+    import torch.cuda.random as cuda_random
+
+    saved = [(module, name, getattr(module, name)) for module in (torch.cuda, cuda_random)
+             for name in _RNG_STATE_FUNCTIONS]
+    for module, name, original in saved:
+        setattr(module, name, _refusing_while_capturing(name, original))
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
 
 
 def describe_capture_error(error: BaseException | None) -> tuple[str, bool]:

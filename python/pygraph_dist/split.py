@@ -49,7 +49,7 @@ import torch.utils._pytree as pytree
 from torch.autograd import Variable
 
 from . import agreement
-from .capture import _bucket_error, describe_capture_error, varying_paths
+from .capture import _bucket_error, capture_into, describe_capture_error, varying_paths
 from .graph_cache import GraphEntry, discard
 from .step import map_outputs
 
@@ -170,7 +170,7 @@ class SplitGraphs:
         error: BaseException | None = None
 
         def capturing(g):
-            return torch.cuda.graph(g, pool=pool, stream=step.stream, capture_error_mode="thread_local")
+            return capture_into(g, pool=pool, stream=step.stream)
 
         try:
             with capturing(fwd), runner.casts():
