@@ -173,6 +173,7 @@ class GraphRunner:
         entry.pool_bytes = max(0, pool_bytes)
         entry.drift.hyperparams = snapshot_hyperparams(self.optimizer)
         entry.drift.param_ptrs = [p.data_ptr() for p in self.reducer.params]
+        entry.drift.requires_grad = [p.requires_grad for p in self.reducer.params]
         entry.drift.state_version = state_version
         entry.policy.capture_succeeded()
         self.cache.captured_any = True
@@ -269,7 +270,7 @@ class GraphRunner:
             if isinstance(leaf, torch.Tensor) and leaf is not static:
                 static.copy_(leaf, non_blocking=True)
         for p, view in zip(self.reducer.params, self.reducer.views):
-            if p.grad is not view and view is not None:
+            if p.grad is not view and view is not None and p.requires_grad:
                 p.grad = view  # the user set it to None; the graph writes the view
         label = f"[{entry.description}] at iteration {iteration}"
         self.launch(entry, label)

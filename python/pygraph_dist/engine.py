@@ -94,6 +94,8 @@ class Engine:
         self.world_size = dist.get_world_size(self.group)
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # Frozen now, so without a bucket: unfreezing one later is refused (_check_unfrozen).
+        self._frozen_at_wrap = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         module_ids = {id(p) for p in module.parameters()}
         foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in module_ids]
         if foreign:
@@ -224,10 +226,25 @@ class Engine:
         if not (self.module.training and torch.is_grad_enabled()) or self.closed:
             # Evaluation, or after teardown (no process group left): the module as is.
             return self.step.evaluate(args, kwargs)
+        if self._frozen_at_wrap:
+            self._check_unfrozen()
         self._call_sync = self.accum.model_call(self.require_sync)
         out = self._train_call(args, kwargs)
         self.accum.after_model_call()
         return out
+
+    def _check_unfrozen(self) -> None:
+        thawed = [n for n, p in self._frozen_at_wrap if p.requires_grad]
+        if thawed:
+            shown = ", ".join(repr(n) for n in thawed[:4])
+            shown += f" and {len(thawed) - 4} more" if len(thawed) > 4 else ""
+            raise RuntimeError(
+                f"parameter(s) {shown} did not require grad when pygraph_dist.wrap() was called and "
+                "require it now. Gradients are all-reduced for the parameters that were trainable at "
+                "wrap(), so these would train on each rank's own gradient and the ranks would drift "
+                "apart (DDP has the same rule). Wrap with every parameter you will train set "
+                "requires_grad=True, and freeze with requires_grad_(False) afterwards: frozen "
+                "parameters are left out of the step, and unfreezing them is fine.")
 
     def _train_call(self, args: tuple, kwargs: dict):
         """A training call: warm-up, capture, replay, or the loop as written."""

@@ -36,6 +36,7 @@ class DriftSnapshot:
 
     hyperparams: list = field(default_factory=list)
     param_ptrs: list = field(default_factory=list)
+    requires_grad: list = field(default_factory=list)
     state_version: int = 0
 
 
@@ -190,6 +191,8 @@ class GraphCache:
         if [p.data_ptr() for p in params] != entry.drift.param_ptrs:
             return ("a parameter's storage was replaced (for example load_state_dict(assign=True) "
                     "or p.data = ...)")
+        if [p.requires_grad for p in params] != entry.drift.requires_grad:
+            return "a parameter was frozen or unfrozen (requires_grad changed)"
         return hyperparams_drift(optimizer, entry.drift.hyperparams, lr_tensors)
 
     def release(self, entry: GraphEntry) -> None:

@@ -36,7 +36,13 @@ that made the bf16 path slower than fp32.
 
 A parameter that produced no gradient in a backward pass contributes zeros to
 its bucket (its slot is cleared), and its ``.grad`` is still set to the
-reduced value so that every rank applies the same update.
+reduced value so that every rank applies the same update (DDP would leave the
+``.grad`` of a parameter no rank used untouched; knowing that takes a host
+sync every iteration, which a graph cannot make). A frozen parameter
+(``requires_grad=False`` now, trainable at ``wrap()``) is different: its slot
+is cleared and its ``.grad`` left as it is -- None after ``zero_grad()`` -- so
+the optimizer skips it, as with DDP; graphs are captured again when a
+parameter is frozen or unfrozen (``graph_cache.drift``).
 
 Buckets that leave the graph ("eager buckets") are reduced *after* every
 graph bucket, in bucket order, at the end of backward — in eager iterations
@@ -353,7 +359,9 @@ class GradientReducer:
             for _, work in works:
                 work.wait()  # on the stream backward was called from
             for i, view in enumerate(self.views):
-                if view is not None and self.params[i].grad is not view:
+                # A frozen parameter's .grad is left as it is, as DDP leaves
+                # it: None after zero_grad(), so the optimizer skips it.
+                if view is not None and self.params[i].requires_grad and self.params[i].grad is not view:
                     self.params[i].grad = view
             self.last_unused = frozenset(
                 self.names[i] for i, got in enumerate(self._got_grad) if not got and self.params[i].requires_grad
@@ -402,7 +410,10 @@ class GradientReducer:
         level = logging.WARNING if dist.get_rank(self.group) == 0 else logging.INFO
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
         logger.log(level, "parameter(s) %s received no gradient in a backward pass; they contribute "
-                   "zeros to the all-reduce, as DDP(find_unused_parameters=True) (reported once)", shown)
+                   "zeros to the all-reduce, as with DDP(find_unused_parameters=True), and are stepped "
+                   "with that zero gradient (weight decay and momentum still move them), where DDP "
+                   "leaves a parameter that no rank used out of the step. Freeze parameters you do "
+                   "not train with requires_grad_(False): they are left out (reported once)", shown)
 
     def _clear_missing(self, b: int) -> None:
         for i in self.bucket_params[b]:
@@ -414,7 +425,7 @@ class GradientReducer:
                 elif self.params[i].grad is not None:
                     self.params[i].grad = None  # a stale sparse gradient from an earlier step
                 name = self.names[i]
-                if name not in self.unused_warned:
+                if name not in self.unused_warned and self.params[i].requires_grad:
                     self.unused_warned.add(name)
                     self._newly_unused.append(name)
 

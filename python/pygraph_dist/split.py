@@ -124,14 +124,15 @@ class SplitGraphs:
         None is zero (what accumulating into a fresh gradient computes), one
         the user replaced is copied into the view."""
         params, views = self.reducer.params, self.reducer.views
-        missing = [i for i, (p, v) in enumerate(zip(params, views)) if p.grad is not v]
+        trainable = [i for i, p in enumerate(params) if p.requires_grad]  # frozen: .grad left alone
+        missing = [i for i in trainable if params[i].grad is not views[i]]
         if not missing:
             return
-        if len(missing) == len(params):
+        if len(missing) == len(trainable):
             if all(params[i].grad is None for i in missing):
                 torch._foreach_zero_([b for b in self.reducer.buffers if b is not None])
-                for p, v in zip(params, views):
-                    p.grad = v
+                for i in trainable:
+                    params[i].grad = views[i]
                 return
         for i in missing:
             p, v = params[i], views[i]
@@ -312,7 +313,8 @@ class SplitGraphs:
         self.runner.watchdog.replay([entry.bwd_graphs["fresh" if fresh else call.sync]], call.label)
         if fresh:
             for p, v in zip(params, views):
-                p.grad = v
+                if p.requires_grad:
+                    p.grad = v
         if not self.graph_round:
             self.graph_round = True
             self.reducer.outside_grad_error = _OUTSIDE
