@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 
 import torch  # noqa: F401 - loads libtorch before the extension
@@ -93,6 +94,22 @@ class GraphedModule(torch.nn.Module):
     @property
     def engine(self) -> Engine:
         return self._engine
+
+    def __deepcopy__(self, memo):
+        """A deep copy of the wrapped model is a copy of the plain module.
+
+        Copies are made for evaluation and weight averaging --
+        ``torch.optim.swa_utils.AveragedModel(model)``, timm's ``ModelEmaV3`` --
+        not to train a second time through the same engine (its process group
+        cannot be copied, and its graphs belong to the original). The copy's
+        parameters and buffers are in the same order as the wrapper's, so
+        ``update_parameters(model)`` pairs them up; wrap the copy to train it."""
+        logger = logging.getLogger("pygraph_dist")
+        if not getattr(GraphedModule, "_deepcopy_said", False):
+            GraphedModule._deepcopy_said = True
+            logger.info("copy.deepcopy of a pygraph_dist-wrapped model returns a copy of the plain "
+                        "module (model.module), not a second wrapped model")
+        return copy.deepcopy(self.module, memo)
 
 
 def wrap(

@@ -9,7 +9,8 @@ Each script below is written the way its community writes it, and only
   Nesterov momentum and no weight decay on norms and biases, a cosine schedule
   stepped every iteration, ``zero_grad()`` between the forward and the
   backward (torchvision's order), top-1 accuracy from the logits, BatchNorm
-  buffers, ``loss.item()`` logged every step.
+  buffers, timm's ``ModelEmaV3`` updated after every step, ``loss.item()``
+  logged every step.
 * ``hf_bert``: Hugging Face ``BertForSequenceClassification`` called with a
   dict batch (``model(**batch)``, padded attention masks, labels), ``outputs.loss``,
   ``clip_grad_norm_``, AdamW with the usual no-decay groups and
@@ -69,9 +70,11 @@ def _wrap(model, optimizer, how: str, **wrap_kwargs):
 # ------------------------------------------------------------------ scripts
 def timm_classification(how: str, rank: int, dev: torch.device):
     import timm
+    from timm.utils import ModelEmaV3
 
     torch.manual_seed(0)
     model = timm.create_model("resnet18", num_classes=10).to(dev, memory_format=torch.channels_last)
+    model_ema = ModelEmaV3(model, decay=0.9)  # timm: after .cuda(), before the DDP wrapper
     decay = [p for n, p in model.named_parameters() if p.ndim > 1]
     no_decay = [p for n, p in model.named_parameters() if p.ndim <= 1]
     optimizer = torch.optim.SGD([{"params": decay, "weight_decay": 5e-5},
@@ -94,10 +97,11 @@ def timm_classification(how: str, rank: int, dev: torch.device):
         loss.backward()
         optimizer.step()
         scheduler.step()
+        model_ema.update(model, step=step)
         acc1 = (output.argmax(dim=1) == target).float().mean() * 100
         log.append([loss.item(), acc1.item()])
     inner = model.module
-    return inner, log, _flat(inner.buffers())
+    return inner, log, torch.cat([_flat(inner.buffers()), _flat(model_ema.module.state_dict().values())])
 
 
 def hf_bert(how: str, rank: int, dev: torch.device, checkpointing: str = ""):
