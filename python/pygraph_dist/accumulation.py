@@ -38,7 +38,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .agreement import agreed_max
-from .monitor import exit_if_on_top, user_location
+from .monitor import exit_if_on_top, remove_from_under_own_modes, user_location
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -52,6 +52,8 @@ class AccumulationReadError(RuntimeError):
 
 class _ReadGuard(TorchFunctionMode):
     """Sees ``param.grad`` reads of the model's parameters after a backward."""
+
+    _pgd_mode = True  # monitor.remove_from_under_own_modes
 
     def __init__(self, owner: LearnedAccumulation) -> None:
         super().__init__()
@@ -188,7 +190,7 @@ class LearnedAccumulation:
 
     def _close_window(self, *, at_model_call: bool) -> None:
         guard, self._guard = self._guard, None
-        if guard is not None and not exit_if_on_top(guard):
+        if guard is not None and not exit_if_on_top(guard) and not remove_from_under_own_modes(guard):
             guard.owner = _Inert()  # a mode the user entered sits on top: leave ours, disarmed
         if at_model_call and self.read_in_window:
             if not self.decided:

@@ -88,6 +88,8 @@ class _Watcher(TorchFunctionMode):
     """Collects uses of the stand-ins; as a torch-function mode, also the torch
     calls that receive one (which read the number without a Python method)."""
 
+    _pgd_mode = True  # monitor.remove_from_under_own_modes
+
     def __init__(self) -> None:
         super().__init__()
         self.uses: list[tuple[str, str, str]] = []  # (argument, how, where)

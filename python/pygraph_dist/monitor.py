@@ -123,6 +123,8 @@ class LoopMonitor(TorchFunctionMode):
     optimizer state and learning-rate tensors.
     """
 
+    _pgd_mode = True  # remove_from_under_own_modes
+
     def __init__(self, loop, owned_storages) -> None:
         super().__init__()
         self.loop = loop
@@ -146,7 +148,20 @@ class LoopMonitor(TorchFunctionMode):
     def stop(self) -> list[Violation]:
         """Pop the mode (if it is on top) and hand back what was seen."""
         if self.active:
-            if not exit_if_on_top(self):
+            if exit_if_on_top(self):
+                pass
+            elif remove_from_under_own_modes(self):
+                # Only pygraph_dist's modes (other wrapped models') sit above
+                # ours: another wrapped model was called inside this one's step
+                # (a GAN's discriminator in the generator's loss). Ours is taken
+                # out from under them; theirs stay in order.
+                self.violations.append(Violation(
+                    "another pygraph_dist-wrapped model was called between this model's call and "
+                    "its optimizer.step() (models trained in alternation, as in GAN training)",
+                    user_location(),
+                    "A graph holds one model's iteration; this loop trains eagerly, as written.",
+                ))
+            else:
                 # Someone pushed a mode on top of ours and left it there; popping
                 # now would pop theirs. Leave ours in place, inert.
                 self.violations.append(Violation(
@@ -222,6 +237,27 @@ def exit_if_on_top(mode: TorchFunctionMode) -> bool:
         mode.__exit__(None, None, None)
         return True
     return False
+
+
+def remove_from_under_own_modes(mode: TorchFunctionMode) -> bool:
+    """Take ``mode`` out of the torch-function stack when every mode above it is
+    one of pygraph_dist's (``_pgd_mode``: another wrapped model's monitor or
+    accumulation guard, which find themselves on top again when they exit);
+    False, leaving the stack as it is, otherwise. Left in place, a mode would
+    stay on the stack for the rest of the process, inert but called for every
+    torch function."""
+    n = torch._C._len_torch_function_stack()
+    stack = [torch._C._get_function_stack_at(i) for i in range(n)]
+    if mode not in stack:
+        return False
+    above = stack[stack.index(mode) + 1:]
+    if not above or not all(getattr(m, "_pgd_mode", False) for m in above):
+        return False
+    for _ in range(len(above) + 1):
+        torch._C._pop_torch_function_stack()
+    for m in above:
+        torch._C._push_on_torch_function_stack(m)
+    return True
 
 
 def storage_ptr(t: torch.Tensor) -> int:
