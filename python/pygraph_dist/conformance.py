@@ -124,8 +124,11 @@ class LoopState:
                 "outputs (several forward passes into one loss)" if several else
                 "the wrapped model was called again before optimizer.step() (gradient "
                 "accumulation, or a second forward pass in one training step)",
-                "Each graph replay is one full optimizer step: use one model call per "
-                "optimizer.step(), or wrap(..., graphs=False)." if self.owned else
+                "Each graph replay is one full optimizer step, already taken when the model call "
+                "returns: use one model call per optimizer.step(), or wrap(..., graphs=False). To "
+                "skip the step on a non-finite loss, pass wrap(..., skip_nonfinite=True), which skips "
+                "it inside the graph, instead of skipping backward()/step() in the loop."
+                if self.owned else
                 "Graphs replay one forward pass at a time; this loop trains eagerly, as written."
                 if several else
                 "One model call per optimizer.step() can be graphed as one iteration; accumulation "
