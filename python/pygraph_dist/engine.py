@@ -347,12 +347,16 @@ class Engine:
         return entry
 
     def _warn_varying(self, entry: GraphEntry, name: str) -> None:
+        nested = name.endswith("]")  # a value inside a container argument: batch['step']
+        fix = ("ignore_args takes whole arguments: pass it as an argument of its own, or as a tensor, "
+               "or leave it out of the call" if nested else
+               f"if the forward does not use it (like Lightning's batch_idx), pass "
+               f"wrap(..., ignore_args=[{name}]); if it does, pass it as a tensor or leave it out "
+               "of the call")
         detail = (f"argument {name} of the model call has taken {VaryingScalars.THRESHOLD} different "
                   "values in calls with the same tensor shapes: graphs are captured per value of a "
-                  "Python argument (the forward may read it), so calls with a new value run eagerly. "
-                  f"If the forward does not use it (like Lightning's batch_idx), pass "
-                  f"wrap(..., ignore_args=[{name}]); if it does, pass it as a tensor or leave it out "
-                  "of the call")
+                  "Python argument (the forward may read it), so calls with a new value run eagerly; "
+                  + fix)
         self.cache.event(entry, self.iteration, "argument varies", detail)
         if self.rank == 0:
             logger.warning("%s.", detail)
