@@ -31,6 +31,7 @@ import time
 
 import torch
 import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 
 from . import agreement, kernels
 from ._ext import C, NOT_CAPTURABLE_TAG
@@ -63,6 +64,10 @@ class GraphRunner:
         self.select_margin = select_margin
         self.sync_sites: list[str] = []  # host syncs the probe saw in forward (a hint)
         self.widening = False  # set by the engine: kernels.WideningCasts around captures
+        # Set by the engine: watch the torch calls of captures for other CUDA
+        # generators (capture_into). Not around compiled modules: a
+        # torch-function mode would meet dynamo.
+        self.watch_generators = False
 
     # ----------------------------------------------------------- warm-up
     def run_owned(self, inputs):
@@ -205,7 +210,7 @@ class GraphRunner:
         step = self.step
 
         def capturing(g):
-            return capture_into(g, pool=pool, stream=step.stream)
+            return capture_into(g, pool=pool, stream=step.stream, watch_generators=self.watch_generators)
 
         if not entry.eager_buckets:
             with capturing(graph), self.casts():
@@ -369,8 +374,30 @@ def _refusing_while_capturing(name: str, original):
     return guarded
 
 
+class _GeneratorGuard(TorchFunctionMode):
+    """While recording: refuse random draws from a CUDA generator other than
+    the device's default one. The capture registers the default generator
+    with the graph (its philox offset moves on at every replay); another
+    generator is not registered, so every replay would draw the very numbers
+    the capture drew."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        gen = kwargs.get("generator")
+        if isinstance(gen, torch.Generator) and gen.device.type == "cuda":
+            index = gen.device.index if gen.device.index is not None else torch.cuda.current_device()
+            if gen is not torch.cuda.default_generators[index]:
+                raise GraphUnsafeRNGError(
+                    f"{NOT_CAPTURABLE_TAG}{getattr(func, '__name__', 'a random op')}(generator=...) draws "
+                    "from a CUDA torch.Generator of your own inside the captured iteration: a graph "
+                    "replays the numbers it drew at capture (only the default generator's state moves "
+                    "on between replays). Use the default generator (torch.manual_seed seeds it), or "
+                    "this trains eagerly")
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
-def capture_into(graph, *, pool, stream):
+def capture_into(graph, *, pool, stream, watch_generators: bool = False):
     """``torch.cuda.graph`` as every capture here uses it, with the host-side
     CUDA RNG state calls refused while it records.
 
@@ -381,7 +408,9 @@ def capture_into(graph, *, pool, stream):
     in forward and restores it for the recomputation in backward, so a graphed
     checkpointed layer with dropout would recompute with other masks than its
     forward used: silently wrong gradients. Refusing makes the capture fail
-    with that reason, agreed by all ranks, and the iteration runs eagerly."""
+    with that reason, agreed by all ranks, and the iteration runs eagerly.
+    ``watch_generators``: the same for draws from a CUDA generator other than
+    the default one (``_GeneratorGuard``)."""
     import torch.cuda.random as cuda_random
 
     saved = [(module, name, getattr(module, name)) for module in (torch.cuda, cuda_random)
@@ -389,7 +418,8 @@ def capture_into(graph, *, pool, stream):
     for module, name, original in saved:
         setattr(module, name, _refusing_while_capturing(name, original))
     try:
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"), \
+                (_GeneratorGuard() if watch_generators else contextlib.nullcontext()):
             yield
     finally:
         for module, name, original in saved:

@@ -166,6 +166,7 @@ class Engine:
         # kernel (exact; kernels.WideningCasts). Not around compiled modules
         # (inductor makes its own casts; a dispatch mode must not meet dynamo);
         # PYGRAPH_DIST_FAST_CASTS=0 records torch's own copies.
+        self.runner.watch_generators = not self.compiled
         self.runner.widening = (self.graphs_possible and not self.compiled
                                 and os.environ.get("PYGRAPH_DIST_FAST_CASTS", "1") != "0"
                                 and kernels.widening_ready(self.device))

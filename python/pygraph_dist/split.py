@@ -171,7 +171,7 @@ class SplitGraphs:
         error: BaseException | None = None
 
         def capturing(g):
-            return capture_into(g, pool=pool, stream=step.stream)
+            return capture_into(g, pool=pool, stream=step.stream, watch_generators=runner.watch_generators)
 
         try:
             with capturing(fwd), runner.casts():

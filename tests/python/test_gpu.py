@@ -323,6 +323,55 @@ def gpu_loop_checks():
     return out
 
 
+
+class NoisyMLP(MLP):
+    """Gaussian noise on the inputs, from the default CUDA generator or from one of its own."""
+
+    def __init__(self, own_generator: bool):
+        super().__init__(width=32, depth=4)
+        self.gen = torch.Generator(device="cuda").manual_seed(5) if own_generator else None
+
+    def forward(self, x, y):
+        noise = torch.randn(x.shape, device=x.device, generator=self.gen)
+        return super().forward(x + 0.1 * noise, y)
+
+
+def gpu_own_generator():
+    """Random numbers inside the graph: the default generator moves on at every
+    replay; a generator of the user's own would replay the capture's numbers,
+    so that capture is refused (eager, with the reason)."""
+    pgd.init()
+    rank = dist.get_rank()
+    dev = device()
+    out = {}
+    for own in (False, True):
+        params = []
+        for graphs in (True, False):
+            torch.manual_seed(0)
+            base = NoisyMLP(own).to(dev)
+            model, opt = pgd.wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-3), graphs=graphs)
+            losses = train(model, opt, 16, rank, dev=dev)
+            params.append(flat_params(base))
+            if graphs:
+                g = pgd.report().models[-1].graphs[0]
+                rec = {"phase": g.phase, "replays": g.replays, "reason": g.reason, "losses": losses}
+            else:
+                rec["eager_losses"] = losses
+        rec["bitwise"] = bool(torch.equal(*params))
+        out["own" if own else "default"] = rec
+    return out
+
+
+@pytest.mark.gpu
+def test_random_numbers_in_graphs_come_from_the_default_generator(ranks):
+    (r,) = ranks("test_gpu:gpu_own_generator", world_size=1, timeout=300)
+    d, o = r["default"], r["own"]
+    assert d["phase"] == "replay" and d["replays"] >= 8 and d["bitwise"], d
+    assert len(set(d["losses"][-4:])) == 4  # fresh noise at every replay
+    assert o["phase"] == "eager" and o["replays"] == 0, o
+    assert "torch.Generator of your own" in o["reason"], o["reason"]
+    assert o["bitwise"] and o["losses"] == o["eager_losses"], o
+
 @pytest.mark.gpu
 def test_loop_checks_on_gpu(ranks):
     (r,) = ranks("test_gpu:gpu_loop_checks", world_size=1, timeout=300)
