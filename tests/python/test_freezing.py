@@ -27,8 +27,9 @@ class Backbone(nn.Module):
         self.backbone = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32))
         self.head = nn.Linear(32, 4)
 
-    def forward(self, x, y):
-        return F.cross_entropy(self.head(self.backbone(x)), y)
+    def forward(self, x, y=None):
+        logits = self.head(self.backbone(x))
+        return logits if y is None else F.cross_entropy(logits, y)
 
 
 def _batch(step, rank, dev):
@@ -36,8 +37,9 @@ def _batch(step, rank, dev):
     return torch.randn(8, 16, generator=g).to(dev), torch.randint(0, 4, (8,), generator=g).to(dev)
 
 
-def freeze_schedule(how="pgd", graphs=1, steps=18):
-    """Backbone frozen for steps 6-11, trained before and after; AdamW with weight decay."""
+def freeze_schedule(how="pgd", graphs=1, steps=18, outside=0):
+    """Backbone frozen for steps 6-11, trained before and after; AdamW with weight decay.
+    ``outside``: the loss computed outside the model (tier 2 on a GPU)."""
     pgd.init()
     rank = dist.get_rank()
     dev = device()
@@ -63,7 +65,7 @@ def freeze_schedule(how="pgd", graphs=1, steps=18):
             frozen_moved = float((flat_params(net.backbone) - frozen_values).abs().max())
         x, y = _batch(step, rank, dev)
         opt.zero_grad(set_to_none=True)
-        model(x, y).backward()
+        (F.cross_entropy(model(x), y) if outside else model(x, y)).backward()
         opt.step()
     out = {"params": flat_params(net).tolist(), "frozen_moved": frozen_moved,
            "moved_after": float((flat_params(net.backbone) - frozen_values).abs().max())}
@@ -72,6 +74,7 @@ def freeze_schedule(how="pgd", graphs=1, steps=18):
         out["report"] = str(pgd.report())
         out["events"] = [e["event"] + ": " + e["detail"] for e in r.events]
         out["replays"] = r.replays
+        out["tiers"] = [g.tier for g in r.graphs]
     return out
 
 
@@ -114,18 +117,21 @@ def test_unfreezing_a_parameter_frozen_at_wrap_is_refused(ranks):
         assert "freeze with requires_grad_(False) afterwards" in r["error"], r
 
 
-def freeze_graphed_vs_eager():
-    graphed = freeze_schedule("pgd", graphs=1, steps=24)
-    eager = freeze_schedule("pgd", graphs=0, steps=24)
-    theirs = freeze_schedule("ddp", steps=24)
+def freeze_graphed_vs_eager(outside=0):
+    graphed = freeze_schedule("pgd", graphs=1, steps=24, outside=outside)
+    eager = freeze_schedule("pgd", graphs=0, steps=24, outside=outside)
+    theirs = freeze_schedule("ddp", steps=24, outside=outside)
     g = torch.tensor(graphed["params"])
     return {**graphed, "bitwise": graphed["params"] == eager["params"],
             "max_diff_ddp": float((g - torch.tensor(theirs["params"])).abs().max())}
 
 
 @pytest.mark.gpu
-def test_freezing_recaptures_and_trains_like_eager_on_gpu(ranks):
-    (r,) = ranks("test_freezing:freeze_graphed_vs_eager", world_size=1, timeout=300)
+@pytest.mark.parametrize("outside", [0, 1])  # tier 1 (loss inside), tier 2 (loss outside)
+def test_freezing_recaptures_and_trains_like_eager_on_gpu(ranks, outside):
+    (r,) = ranks("test_freezing:freeze_graphed_vs_eager", world_size=1, timeout=300,
+                 kwargs={"outside": outside})
+    assert r["tiers"][:1] == [str(1 + outside)], r["report"]
     invalidated = [e for e in r["events"] if "frozen or unfrozen" in e]
     assert len(invalidated) == 2, r["events"]  # once when frozen, once when unfrozen
     assert r["replays"] >= 10, r["report"]
