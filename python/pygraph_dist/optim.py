@@ -92,11 +92,7 @@ def prepare_optimizer(
                 f"skip_nonfinite=True skips the update inside the fused optimizer kernel (its "
                 f"found_inf input, as GradScaler uses it); {name} has no fused kernel. Use Adam, "
                 "AdamW or SGD, or skip_nonfinite=False.")
-        for g in opt.param_groups:
-            if not g.get("fused"):
-                g["fused"] = True
-                g["foreach"] = None
-                _note(plan, "fused=True (non-finite steps skipped on the device)")
+        _make_fused(opt, plan, "non-finite steps skipped on the device")
     if amp.needs_grad_scaler:
         if not isinstance(opt, _FUSABLE):
             return _not_graphable(
@@ -104,11 +100,7 @@ def prepare_optimizer(
                 f"fp16 loss scaling inside a graph needs an optimizer that takes the scale on the "
                 f"device (fused Adam, AdamW or SGD); {name} does not. Use amp='bf16', or one of those.",
             )
-        for g in opt.param_groups:
-            if not g.get("fused"):
-                g["fused"] = True
-                g["foreach"] = None
-                _note(plan, "fused=True (fp16 loss scaling without a host sync)")
+        _make_fused(opt, plan, "fp16 loss scaling without a host sync")
         opt._step_supports_amp_scaling = True  # what fused=True sets in __init__
 
     device_lr = isinstance(opt, _TENSOR_LR)
@@ -116,11 +108,7 @@ def prepare_optimizer(
         why_not = _sgd_device_lr_problem(opt, sparse)
         if why_not is None:
             device_lr = True
-            for g in opt.param_groups:
-                if not g.get("fused"):
-                    g["fused"] = True
-                    g["foreach"] = None
-                    _note(plan, "fused=True (its kernel reads the lr on the device)")
+            _make_fused(opt, plan, "its kernel reads the lr on the device")
         else:
             plan.sgd_float_lr = why_not
     for g in opt.param_groups:
@@ -167,6 +155,15 @@ def _sgd_device_lr_problem(opt: torch.optim.SGD, sparse: bool) -> str | None:
             if p.dtype not in _FUSED_SGD_DTYPES or p.device.type != "cuda":
                 return f"a parameter is {p.dtype} on {p.device}; the fused kernel takes CUDA floats"
     return None
+
+
+def _make_fused(opt: torch.optim.Optimizer, plan: OptimizerPlan, why: str) -> None:
+    """Every param group on the fused kernel (foreach back to its default), noted once."""
+    for g in opt.param_groups:
+        if not g.get("fused"):
+            g["fused"] = True
+            g["foreach"] = None
+            _note(plan, f"fused=True ({why})")
 
 
 def _note(plan: OptimizerPlan, change: str) -> None:
