@@ -205,19 +205,20 @@ class GraphRunner:
         """Narrow-to-fp32 copies as the widen kernel while recording (kernels.WideningCasts)."""
         return kernels.WideningCasts() if self.widening else contextlib.nullcontext()
 
+    def capturing(self, graph, pool):
+        """Record into ``graph`` as every capture of this model does (capture_into,
+        on the capture stream)."""
+        return capture_into(graph, pool=pool, stream=self.step.stream, watch_generators=self.watch_generators)
+
     def _record(self, entry: GraphEntry, graph, static, pool):
         """Record the iteration: one graph, or forward+backward and step graphs."""
         step = self.step
-
-        def capturing(g):
-            return capture_into(g, pool=pool, stream=step.stream, watch_generators=self.watch_generators)
-
         if not entry.eager_buckets:
-            with capturing(graph), self.casts():
+            with self.capturing(graph, pool), self.casts():
                 return step.body(static), None
         self.reducer.defer_eager = True
         try:
-            with capturing(graph), self.casts():
+            with self.capturing(graph, pool), self.casts():
                 result = step.forward_backward(static)
         finally:
             self.reducer.defer_eager = False
@@ -225,7 +226,7 @@ class GraphRunner:
                               for i, s in enumerate(self.reducer.is_sparse) if s}
         step_graph = torch.cuda.CUDAGraph()
         try:
-            with capturing(step_graph):
+            with self.capturing(step_graph, pool):
                 step.apply_step(None, part="graphed")
         except BaseException:
             discard(step_graph)
@@ -274,9 +275,7 @@ class GraphRunner:
         for static, leaf in zip(entry.static_leaves, leaves):
             if isinstance(leaf, torch.Tensor) and leaf is not static:
                 static.copy_(leaf, non_blocking=True)
-        for p, view in zip(self.reducer.params, self.reducer.views):
-            if p.grad is not view and view is not None and p.requires_grad:
-                p.grad = view  # the user set it to None; the graph writes the view
+        self.reducer.expose_grads()  # the user set them to None; the graph writes the views
         label = f"[{entry.description}] at iteration {iteration}"
         self.launch(entry, label)
         self.watchdog.after_replay(label, collectives=entry.collectives)

@@ -358,11 +358,7 @@ class GradientReducer:
                 self.tail, works = works[-1], works[:-1]
             for _, work in works:
                 work.wait()  # on the stream backward was called from
-            for i, view in enumerate(self.views):
-                # A frozen parameter's .grad is left as it is, as DDP leaves
-                # it: None after zero_grad(), so the optimizer skips it.
-                if view is not None and self.params[i].requires_grad and self.params[i].grad is not view:
-                    self.params[i].grad = view
+            self.expose_grads()
             self.last_unused = frozenset(
                 self.names[i] for i, got in enumerate(self._got_grad) if not got and self.params[i].requires_grad
             )
@@ -374,6 +370,14 @@ class GradientReducer:
             self._reset_round()
         if self.on_finalize is not None:
             self.on_finalize()
+
+    def expose_grads(self) -> None:
+        """Every trainable parameter's ``.grad`` becomes its bucket view. A frozen
+        parameter's is left as it is, as DDP leaves it: None after zero_grad(),
+        so the optimizer skips it."""
+        for p, view in zip(self.params, self.views):
+            if view is not None and p.requires_grad and p.grad is not view:
+                p.grad = view
 
     def reduce_eager(self, buckets: Sequence[int], sparse_grads: dict[int, torch.Tensor] | None = None) -> None:
         """All-reduce eager buckets now, in order, on the current stream.

@@ -49,7 +49,7 @@ import torch.utils._pytree as pytree
 from torch.autograd import Variable
 
 from . import agreement
-from .capture import _bucket_error, capture_into, describe_capture_error, varying_paths
+from .capture import _bucket_error, describe_capture_error, varying_paths
 from .graph_cache import GraphEntry, discard
 from .step import map_outputs
 
@@ -170,11 +170,8 @@ class SplitGraphs:
         t0 = time.perf_counter()
         error: BaseException | None = None
 
-        def capturing(g):
-            return capture_into(g, pool=pool, stream=step.stream, watch_generators=runner.watch_generators)
-
         try:
-            with capturing(fwd), runner.casts():
+            with runner.capturing(fwd, pool), runner.casts():
                 args_, kwargs_ = static
                 loss, out = step.forward(args_, kwargs_, sync=True, need_loss=False)
             tensors = output_tensors(out)
@@ -206,7 +203,7 @@ class SplitGraphs:
                             p.grad = None
                     else:
                         self.attach_grads()
-                with capturing(g), runner.casts():
+                with runner.capturing(g, pool), runner.casts():
                     grads = static_grads
                     if scaled is not None:
                         scale = step.grad_scaler._scale  # noqa: SLF001
@@ -214,7 +211,7 @@ class SplitGraphs:
                     torch.autograd.backward(roots, grads, retain_graph=key != "fresh")
             step_graph = torch.cuda.CUDAGraph()
             graphs["step"] = step_graph
-            with capturing(step_graph):
+            with runner.capturing(step_graph, pool):
                 step.apply_step(None)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an agreed fallback
             error = exc
@@ -292,7 +289,7 @@ class SplitGraphs:
         if self.reducer._finalize_queued:  # noqa: SLF001
             raise OutsideGradientError(_OUTSIDE)
         entry = call.entry
-        params, views = self.reducer.params, self.reducer.views
+        params = self.reducer.params
         if entry.last_call is not call:
             from .conformance import LoopConformanceError
 
@@ -312,9 +309,7 @@ class SplitGraphs:
                     static.copy_(g)
         self.runner.watchdog.replay([entry.bwd_graphs["fresh" if fresh else call.sync]], call.label)
         if fresh:
-            for p, v in zip(params, views):
-                if p.requires_grad:
-                    p.grad = v
+            self.reducer.expose_grads()
         if not self.graph_round:
             self.graph_round = True
             self.reducer.outside_grad_error = _OUTSIDE
