@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import pygraph_dist as pgd
-from common import device, flat_params
+from common import data, device, flat_params
 
 
 class Backbone(nn.Module):
@@ -33,8 +33,7 @@ class Backbone(nn.Module):
 
 
 def _batch(step, rank, dev):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(8, 16, generator=g).to(dev), torch.randint(0, 4, (8,), generator=g).to(dev)
+    return data(step, rank, batch=8, width=16, classes=4, device=dev)
 
 
 def freeze_schedule(how="pgd", graphs=1, steps=18, outside=0):
