@@ -84,6 +84,20 @@ class GraphedModule(torch.nn.Module):
         finally:
             engine.require_sync = previous
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """As on ``DistributedDataParallel``: False makes the backward passes of the
+        next model calls accumulate locally, exactly as inside :meth:`no_sync`
+        (which sets it); True again makes the next call's backward all-reduce.
+        Scripts that accumulate with
+        ``model.require_backward_grad_sync = (micro_step == steps - 1)`` work as
+        with DDP. Read at the model call, as DDP reads it in forward."""
+        return self._engine.require_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._engine.require_sync = bool(value)
+
     def static_inputs(self):
         """The (args, kwargs) buffers the most recently captured graph reads, or None.
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import time
 import weakref
 
@@ -61,7 +62,7 @@ from .config import WrapConfig, check_sparse_support, sparse_param_names
 from .conformance import LoopConformanceError, LoopState, Mode, Stage  # noqa: F401 - re-exported
 from .graph_cache import GraphCache, GraphEntry
 from .monitor import storage_ptr, watch_host_syncs
-from .optim import make_graph_aware, prepare_optimizer
+from .optim import adopt_assigned_lrs, make_graph_aware, prepare_optimizer
 from .reducer import GradientReducer
 from .split import SplitGraphs, output_tensors
 from .step import IterationStep, find_loss, map_outputs, release_side_stream
@@ -70,6 +71,7 @@ from .watchdog import ReplayWatchdog
 logger = logging.getLogger("pygraph_dist")
 
 Phase = C.Phase
+_BAKED = re.compile(r"param group (\d+): '([^']+)'")  # optim.hyperparams_drift's reasons
 TORN_DOWN = "pygraph_dist was torn down (destroy_process_group or exit)"
 
 
@@ -177,6 +179,7 @@ class Engine:
         self.iteration = 0  # optimizer steps begun (model calls that start a step)
         self.require_sync = True  # False inside GraphedModule.no_sync()
         self.opt_state_version = 0
+        self.baked_changes: dict[str, int] = {}  # invalidations per baked hyperparameter key
         self.closed = False
         self._entry: GraphEntry | None = None
         self._phase = None
@@ -229,6 +232,7 @@ class Engine:
             return self.step.evaluate(args, kwargs)
         if self._frozen_at_wrap:
             self._check_unfrozen()
+        adopt_assigned_lrs(self.optimizer, self.opt_plan.lr_tensors)
         self._call_sync = self.accum.model_call(self.require_sync)
         out = self._train_call(args, kwargs)
         self.accum.after_model_call()
@@ -271,7 +275,7 @@ class Engine:
             drift = self.cache.drift(entry, self.reducer.params, self.optimizer,
                                      self.opt_plan.lr_tensors, self.opt_state_version)
             if drift:
-                self.cache.invalidate(entry, self.iteration, drift)
+                self._invalidate(entry, drift)
         elif entry.policy.phase == Phase.WARMUP and self.cache.captured_any:
             entry.policy.cap_warmup(0 if entry.warmups else 1)
         phase = entry.policy.begin_iteration()
@@ -300,6 +304,25 @@ class Engine:
         if len(entry.replay_times) >= SELECT_REPLAYS:
             self.runner.select(entry, iteration=self.iteration)
         return self._hand_out(loss)
+
+    def _invalidate(self, entry: GraphEntry, drift: str) -> None:
+        """Release ``entry``'s graphs for ``drift``; a hyperparameter the graphs
+        bake in that changes again gets one warning with its line and the fix."""
+        self.cache.invalidate(entry, self.iteration, drift)
+        m = _BAKED.match(drift)
+        if not m:
+            return
+        key = m.group(2)
+        n = self.baked_changes[key] = self.baked_changes.get(key, 0) + 1
+        if n != 2 or self.rank != 0:
+            return
+        fix = ("use an optimizer whose lr is read on the device (Adam, AdamW, SGD, RMSprop, "
+               "Adadelta)" if key == "lr" else
+               "keep it constant while training (OneCycleLR: cycle_momentum=False; only the lr "
+               "may change every step)")
+        logger.warning("%s -- for the second time. The graphs bake this hyperparameter in, so every "
+                       "change captures again, and after a few recaptures the loop trains eagerly. "
+                       "To stay graphed, %s.", drift, fix)
 
     def _first_iteration(self) -> bool:
         return self.iteration <= 1
@@ -413,7 +436,7 @@ class Engine:
         drift = self.cache.drift(entry, self.reducer.params, self.optimizer,
                                  self.opt_plan.lr_tensors, self.opt_state_version)
         if drift:
-            self.cache.invalidate(entry, self.iteration, drift)
+            self._invalidate(entry, drift)
             return False
         self.split.replay_step(entry, f"[{entry.description}] step at iteration {self.iteration}")
         return True
@@ -474,6 +497,7 @@ class Engine:
     # ================================================= the optimizer's calls
     def optimizer_step(self, closure=None):
         """``optimizer.step()`` of the wrapped optimizer."""
+        adopt_assigned_lrs(self.optimizer, self.opt_plan.lr_tensors)
         self.accum.step()  # pending local sums reduced first; K learned at the first step
         probe = self._phase == Phase.PROBE and not self.loop.owned
         owned = self.loop.owned

@@ -31,6 +31,8 @@ and graphed training run the same arithmetic.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import weakref
 from dataclasses import dataclass, field
 
@@ -40,7 +42,13 @@ from .amp import AmpConfig
 
 logger = logging.getLogger("pygraph_dist")
 
-_TENSOR_LR = (torch.optim.Adam, torch.optim.AdamW)
+# Optimizers whose capturable step reads a tensor lr on the device. Adam and
+# AdamW (fused or not); RMSprop and Adadelta take a tensor lr in their
+# capturable foreach/single-tensor paths (torch/optim/rmsprop.py,
+# adadelta.py: "if capturable and isinstance(lr, Tensor)"). NAdam, RAdam,
+# Adamax and ASGD call _to_scalar(lr) -- a host read -- so their lr stays a
+# float baked into the graph.
+_TENSOR_LR = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adadelta)
 _FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
@@ -118,12 +126,13 @@ def prepare_optimizer(
                 # Schedulers created later take their base lr from initial_lr: keep it a float.
                 g.setdefault("initial_lr", float(lr))
                 g["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
-                _note(plan, "lr as a device tensor (scheduler updates reach the graph)")
-            elif lr.device != device:
-                g["lr"] = lr.to(device)
+                _note(plan, "lr as a device tensor (lr assignments and schedulers reach the graph)")
+            elif lr.device != device or lr.dtype != torch.float32 or lr.dim() != 0:
+                g["lr"] = lr.detach().to(device=device, dtype=torch.float32).reshape(())
             plan.lr_tensors.append(g["lr"])
         else:
             plan.lr_tensors.append(None)
+    watch_param_groups(opt, plan.lr_tensors)
 
     # Existing state (a loaded checkpoint, earlier eager steps) must live where
     # capturable/fused kernels expect it: the step counter on the device, float32.
@@ -179,6 +188,113 @@ def _not_graphable(plan: OptimizerPlan, opt, reason: str) -> OptimizerPlan:
 
 
 # ---------------------------------------------------------------------------
+# Hyperparameters as scripts set them.
+
+
+def write_lr(target: torch.Tensor, value) -> bool:
+    """Write ``value`` -- a Python or numpy number, or a one-element tensor --
+    into the device lr tensor ``target`` (no host sync); False if it is none of those."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return False
+        with torch.no_grad():
+            target.copy_(value.detach().reshape(()))
+        return True
+    try:
+        number = float(value)  # int, float, numpy scalars, Decimal, ...
+    except (TypeError, ValueError):
+        return False
+    with torch.no_grad():
+        target.fill_(number)
+    return True
+
+
+_HERE = __file__.rsplit("/", 1)[0]
+
+
+def _user_line() -> str:
+    """``file:line`` of the nearest caller outside torch and pygraph_dist (the
+    script line that set a hyperparameter, also through a scheduler's step())."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not (path.startswith(_HERE) or f"{os.sep}torch{os.sep}" in path):
+            return f"{os.path.basename(path)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return ""
+
+
+class WatchedParamGroup(dict):
+    """A param group of a wrapped optimizer: a dict that behaves as the one it
+    replaces, except that
+
+    * a number (or a one-element tensor) assigned to ``'lr'`` of a group whose
+      lr lives on the device is written *into* that tensor, which the graphs
+      read -- ``group['lr'] = get_lr(it)`` (nanoGPT), timm's schedulers
+      (``param_group[field] = value``), ``group['lr'] *= 0.1`` all reach the
+      next replay without capturing again;
+    * any other key assigned a new value records the script line that did it,
+      for the warning about hyperparameters a graph bakes in.
+
+    ``dict.update``/``setdefault`` bypass ``__setitem__``;
+    :func:`adopt_assigned_lrs` catches those at the next model call or step.
+    """
+
+    __slots__ = ("lr_tensor", "set_at")
+
+    def __init__(self, group: dict, lr_tensor: torch.Tensor | None) -> None:
+        super().__init__(group)
+        self.lr_tensor = lr_tensor
+        self.set_at: dict[str, str] = {}
+
+    def __setitem__(self, key, value) -> None:
+        if key == "lr" and self.lr_tensor is not None and value is not self.lr_tensor \
+                and write_lr(self.lr_tensor, value):
+            value = self.lr_tensor
+        elif key != "params" and key in self:
+            old = dict.get(self, key)
+            if old is not value and not _same(old, value):
+                self.set_at[key] = _user_line()
+        dict.__setitem__(self, key, value)
+
+    def __reduce__(self):  # pickled (deepcopy, torch.save of the optimizer) as a plain dict
+        return (dict, (dict(self),))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an odd type compares as changed
+        return False
+
+
+def watch_param_groups(opt: torch.optim.Optimizer, lr_tensors: list[torch.Tensor | None]) -> None:
+    """Replace ``opt``'s param group dicts, in place in its list, by
+    :class:`WatchedParamGroup` s (same keys and values)."""
+    groups = opt.param_groups
+    for i, g in enumerate(groups):
+        lr_t = lr_tensors[i] if i < len(lr_tensors) else None
+        if isinstance(g, WatchedParamGroup):
+            g.lr_tensor = lr_t
+        else:
+            groups[i] = WatchedParamGroup(g, lr_t)
+
+
+def adopt_assigned_lrs(opt: torch.optim.Optimizer, lr_tensors: list[torch.Tensor | None]) -> None:
+    """An lr that reached a group without ``__setitem__`` (``group.update``, a
+    replaced group dict) is written into the device tensor, which goes back into
+    the group. Called at every model call and step, before anything reads the lr,
+    so that the eager step, a capture and a replay all read the tensor."""
+    for g, t in zip(opt.param_groups, lr_tensors):
+        if t is not None:
+            cur = g.get("lr")
+            if cur is not t and write_lr(t, cur):
+                dict.__setitem__(g, "lr", t)
+
+
+# ---------------------------------------------------------------------------
 # Hyperparameters baked into a graph.
 
 
@@ -186,30 +302,42 @@ def snapshot_hyperparams(opt: torch.optim.Optimizer) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
 
 
+def where_set(opt: torch.optim.Optimizer, group: int, key: str) -> str:
+    """The script line that last assigned ``key`` of param group ``group``, or ""."""
+    groups = opt.param_groups
+    g = groups[group] if group < len(groups) else None
+    return g.set_at.get(key, "") if isinstance(g, WatchedParamGroup) else ""
+
+
 def hyperparams_drift(
     opt: torch.optim.Optimizer, snapshot: list[dict], lr_tensors: list[torch.Tensor | None]
 ) -> str | None:
     """What changed since ``snapshot`` that a replay would not see, or None.
 
-    A float assigned to a tensor-lr group (``group["lr"] = 1e-4``) is written
-    into the device tensor instead, which the graph reads: not a change.
+    A number assigned to a device-lr group (``group["lr"] = 1e-4``) was
+    already written into the device tensor the graph reads (WatchedParamGroup,
+    adopt_assigned_lrs): not a change. Reasons start with
+    ``param group I: 'KEY'`` (the engine counts them per key).
     """
+    adopt_assigned_lrs(opt, lr_tensors)
     groups = opt.param_groups
     if len(groups) != len(snapshot):
         return f"the optimizer now has {len(groups)} param groups instead of {len(snapshot)}"
     for i, (g, snap) in enumerate(zip(groups, snapshot)):
+        if len(g) != len(snap) + 1:  # +1: 'params'
+            added = sorted(set(g) - set(snap) - {"params"})
+            if added:
+                return f"param group {i}: '{added[0]}' was added"
         for k, v in snap.items():
             cur = g.get(k)
             if cur is v:
                 continue
-            if k == "lr" and lr_tensors[i] is not None and isinstance(cur, (int, float)):
-                lr_tensors[i].fill_(float(cur))
-                g["lr"] = lr_tensors[i]
-                continue
+            where = where_set(opt, i, k)
+            at = f" (set at {where})" if where else ""
             if isinstance(v, torch.Tensor) or isinstance(cur, torch.Tensor):
-                return f"param group {i}: '{k}' was replaced by another object"
-            if cur != v:
-                return f"param group {i}: '{k}' changed from {v!r} to {cur!r}"
+                return f"param group {i}: '{k}' was replaced by another object{at}"
+            if not _same(cur, v):
+                return f"param group {i}: '{k}' changed from {v!r} to {cur!r}{at}"
     return None
 
 
