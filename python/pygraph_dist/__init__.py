@@ -153,6 +153,7 @@ def wrap(
     compile: bool | dict = False,
     learn_accumulation: bool = True,
     ignore_args: tuple[str, ...] | list[str] = (),
+    eval_graphs: bool = True,
 ) -> tuple[GraphedModule, torch.optim.Optimizer]:
     """Wrap a model and its optimizer for graphed data-parallel training.
 
@@ -221,6 +222,13 @@ def wrap(
             reach the forward as watched stand-ins; a forward that reads one
             (arithmetic, comparison, printing, a torch call) keeps the loop
             eager, with the line that read it in ``report()``.
+        eval_graphs: model calls with gradients disabled (``torch.no_grad()``,
+            ``torch.inference_mode()``; evaluation after ``model.eval()``)
+            replay a forward-only graph per input signature, after 2 eager
+            warm-up calls; outputs are fresh tensors, bitwise equal to the
+            eager forward. No collective decides anything, so evaluating on
+            some ranks only is fine. ``False``: such calls run the module
+            eagerly. Calls in eval mode with autograd on always run eagerly.
 
     Returns ``(GraphedModule, optimizer)``; the optimizer is the same object,
     made capturable and routed through the engine.
@@ -235,7 +243,7 @@ def wrap(
         select=select, select_margin=select_margin, pad_batch_to=pad_batch_to, pad_value=pad_value,
         skip_nonfinite=skip_nonfinite, grad_comm_dtype=grad_comm_dtype,
         compile=compile_kwargs(compile), learn_accumulation=learn_accumulation,
-        ignore_args=ignore_args,
+        ignore_args=ignore_args, eval_graphs=eval_graphs,
     )
     engine = Engine(model, optimizer, config, process_group)
     return GraphedModule(model, engine), optimizer

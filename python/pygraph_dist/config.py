@@ -38,6 +38,7 @@ class WrapConfig:
     compile: dict | None = None  # torch.compile arguments (compiled.compile_kwargs)
     learn_accumulation: bool = True  # accumulation.py
     ignore_args: tuple[str, ...] = ()  # arguments.py
+    eval_graphs: bool = True  # evaluation.py
 
 
 COMM_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16}

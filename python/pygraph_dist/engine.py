@@ -58,6 +58,7 @@ from .compiled import TIMER as COMPILE_TIMER
 from .compiled import CompileStats, disable_donated_buffers, is_compiled
 from .compiled import describe as describe_compile
 from .capture import SELECT_REPLAYS, GraphRunner
+from .evaluation import EvalGraphs
 from .config import WrapConfig, check_sparse_support, sparse_param_names
 from .conformance import LoopConformanceError, LoopState, Mode, Stage  # noqa: F401 - re-exported
 from .graph_cache import GraphCache, GraphEntry
@@ -174,6 +175,7 @@ class Engine:
                                 and kernels.widening_ready(self.device))
         self.split = SplitGraphs(self.runner, self.loop.backward_finished)
         self.accum = LearnedAccumulation(self, enabled=config.learn_accumulation)
+        self.evals = EvalGraphs(self)
         self._call_sync = True  # this model call's backward all-reduces (accumulation.py)
         self._split_step: GraphEntry | None = None  # tier 2: the entry graphed this step
         self.iteration = 0  # optimizer steps begun (model calls that start a step)
@@ -227,8 +229,11 @@ class Engine:
         if self.compiled:  # compilations from here on are this model's
             COMPILE_TIMER.install()
             COMPILE_TIMER.current = (self.compile_stats, self._first_iteration)
-        if not (self.module.training and torch.is_grad_enabled()) or self.closed:
-            # Evaluation, or after teardown (no process group left): the module as is.
+        if self.closed:  # after teardown (no process group left): the module as is
+            return self.step.evaluate(args, kwargs)
+        if not torch.is_grad_enabled():  # evaluation (no_grad, inference_mode): forward graphs
+            return self.evals.call(args, kwargs)
+        if not self.module.training:  # eval mode with autograd on: the module as is, eagerly
             return self.step.evaluate(args, kwargs)
         if self._frozen_at_wrap:
             self._check_unfrozen()

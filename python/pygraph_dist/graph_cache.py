@@ -50,7 +50,7 @@ class GraphEntry:
     # The captured graphs. Tier 1: the whole iteration, or forward+backward and
     # the step. Tier 2 (split.py): graph is the forward, bwd_graphs the backward
     # (by sync: with and without the all-reduces), step_graph the step.
-    tier: int = 1
+    tier: int | str = 1  # 1, 2, or "eval" (evaluation.py)
     graph: torch.cuda.CUDAGraph | None = None
     step_graph: torch.cuda.CUDAGraph | None = None
     bwd_graphs: dict = field(default_factory=dict)
@@ -159,7 +159,7 @@ class GraphCache:
 
     def latest_static_inputs(self):
         for entry in reversed(self.entries.values()):
-            if entry.live:
+            if entry.live and entry.tier != "eval":
                 return entry.static
         return None
 
@@ -321,6 +321,7 @@ def describe_entries(entries, bucket_kinds: list[str]) -> list:
             capture_ms=e.capture_s * 1e3, setup_s=e.setup_s, pool_mib=e.pool_bytes / 2**20,
             segments=e.segments(bucket_kinds), selection=e.selection,
             eager_ms=e.eager_ms, replay_ms=e.replay_ms, live=e.live,
-            tier=str(e.tier) if e.live else ("3" if p.phase == Phase.EAGER else ""),
+            tier=(e.tier if e.tier == "eval" else str(e.tier) if e.live else
+                  ("3" if p.phase == Phase.EAGER else "")),
         ))
     return out

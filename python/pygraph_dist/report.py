@@ -54,11 +54,21 @@ class ModelReport:
 
     @property
     def replays(self) -> int:
-        return sum(g.replays for g in self.graphs)
+        """Training iterations (or micro-batches) replayed; evaluation calls not counted."""
+        return sum(g.replays for g in self.graphs if g.tier != "eval")
 
     @property
     def eager_iterations(self) -> int:
-        return sum(g.eager_iterations for g in self.graphs)
+        return sum(g.eager_iterations for g in self.graphs if g.tier != "eval")
+
+    @property
+    def eval_replays(self) -> int:
+        """Evaluation calls (no grad) replayed as forward graphs (evaluation.py)."""
+        return sum(g.replays for g in self.graphs if g.tier == "eval")
+
+    @property
+    def eval_calls(self) -> int:
+        return sum(g.iterations for g in self.graphs if g.tier == "eval")
 
 
 @dataclass(frozen=True)
