@@ -95,7 +95,8 @@ class EvalGraphs:
             return entry
         entry.tier = EVAL_TIER
         mode = "train mode" if eng.module.training else "eval mode"
-        entry.description = f"eval: {entry.description} ({mode}, no grad)"
+        grad = "inference mode" if torch.is_inference_mode_enabled() else "no grad"
+        entry.description = f"eval: {entry.description} ({mode}, {grad})"
         entry.policy = C.CapturePolicy(C.PolicyConfig(
             probe_iters=0, warmup_iters=EVAL_WARMUP, max_capture_attempts=2, max_recaptures=8))
         if not eng.config.eval_graphs:
