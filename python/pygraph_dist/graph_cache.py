@@ -333,4 +333,5 @@ def _autocast_name(key: tuple) -> str:
     ambient = key[2] if len(key) == 3 else ()
     if len(ambient) != 2 or not ambient[0]:
         return ""
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(ambient[1], str(ambient[1]).replace("torch.", ""))
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return names.get(ambient[1], str(ambient[1]).replace("torch.", ""))

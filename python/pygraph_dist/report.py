@@ -26,6 +26,7 @@ _OUTCOME = re.compile(r" \((capturing again after warm-up|will retry after warm-
 # signature goes eager after more than max_recaptures invalidations.
 _TOO_MANY = re.compile(r"^(?P<base>.*); the graph was invalidated (?P<n>\d+) times, more than "
                        r"max_recaptures=(?P<max>\d+)$", re.S)
+_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 # Events whose detail differs every time (timings, sizes): counted by name only.
 _ROUTINE = {"captured", "selected"}
 
@@ -222,17 +223,21 @@ def _precision(m: ModelReport) -> str:
 
 
 def _event_groups(events: list[dict]) -> list[dict]:
-    """Events with the same name and detail (the outcome aside), counted, in order."""
+    """Events with the same name and detail (the outcome and the numbers in it
+    aside: "'weight_decay' changed from 0.01 to 0.02"), counted, in order. A
+    group's ``detail`` is its latest; ``varies`` says whether they differed."""
     groups: dict[tuple, dict] = {}
     for e in events:
         detail = e.get("detail", "")
         outcome = _OUTCOME.search(detail)
         base = "" if e["event"] in _ROUTINE else _OUTCOME.sub("", detail)
-        g = groups.setdefault((e["event"], base), {
-            "event": e["event"], "detail": base, "count": 0, "signatures": [],
+        g = groups.setdefault((e["event"], _NUMBER.sub("#", base)), {
+            "event": e["event"], "detail": base, "varies": False, "count": 0, "signatures": [],
             "first_iteration": e["iteration"], "last_iteration": e["iteration"], "outcome": "",
             "last_detail": "",
         })
+        g["varies"] = g["varies"] or g["detail"] != base
+        g["detail"] = base
         g["count"] += 1
         g["last_iteration"] = e["iteration"]
         g["last_detail"] = detail
@@ -277,7 +282,7 @@ def summarize(m: ModelReport) -> dict:
     of the signature with the most replays, or None; ``precision``;
     ``eager_reasons``: [{reason, short (about one sentence), items (the reason's
     parts, each once), fix, signatures, steps, invalidations}];
-    ``events``: counted groups [{event, detail, count, signatures,
+    ``events``: counted groups [{event, detail, varies, count, signatures,
     first_iteration, last_iteration, outcome, last_detail}];
     ``stock_backend``; ``tier1_needs``: [reason item] (only while a tier-2 graph is held).
     """

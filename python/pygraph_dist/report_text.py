@@ -48,7 +48,8 @@ def _ran(s: dict) -> str:
     if s["status"] == "no steps":
         return "no training step yet"
     if not replayed:
-        return f"{steps} steps, all eager" + (" (probing and warming up)" if s["status"] == "warming up" else "")
+        return f"{steps} steps, all eager" + (" (probing and warming up)"
+                                              if s["status"] == "warming up" else "")
     tiers = s["tiers"] or s["was_tiers"]
     how = "/".join(f"tier {t}" for t in tiers)
     if not s["tiers"]:
@@ -73,7 +74,7 @@ def _event_text(group: dict, limit: int = 110) -> str:
     detail = group["detail"] if group["event"] not in ("captured", "selected") else ""
     text = f"{group['event']} {group['count']}x"
     if detail:
-        text += f" — {brief(detail, limit)}"
+        text += f" — {brief(detail, limit)}" + (" (the latest; values vary)" if group["varies"] else "")
     if group["outcome"] == "running eagerly" and group["event"] in ("invalidated", "capture failed"):
         text += ", then eager"
     return text
@@ -98,7 +99,8 @@ def _default(m: ModelReport) -> list[str]:
     if len(m.graphs) > 1:
         shown = sorted(m.graphs, key=lambda g: -g.iterations)[:2]
         for g in shown:
-            lines.append(f"    [{g.inputs[:40]}] {_status(g)}: {g.replays} replayed, {g.eager_iterations} eager")
+            lines.append(f"    [{g.inputs[:40]}] {_status(g)}: {g.replays} replayed, "
+                         f"{g.eager_iterations} eager")
         if len(m.graphs) > 2:
             lines.append(f"    ... and {len(m.graphs) - 2} more input signatures")
     said: set[str] = set()
@@ -119,9 +121,13 @@ def _default(m: ModelReport) -> list[str]:
     told = {r["reason"] for r in s["eager_reasons"]}
     notable = [g for g in s["events"] if g["event"] not in ("captured", "selected", "loop not graphable")
                and not any(g["detail"] and g["detail"] in r for r in told)]
-    if notable:
-        lines.append("  events: " + "; ".join(_event_text(g, 80) for g in notable[:2])
-                     + (f"; +{len(notable) - 2} more" if len(notable) > 2 else ""))
+    if notable:  # as many groups as fit one line
+        texts = [_event_text(g, 200 if len(notable) == 1 else 80) for g in notable]
+        n = 1
+        while n < len(texts) and len("  events: " + "; ".join(texts[:n + 1])) <= 112:
+            n += 1
+        rest = f"; +{len(texts) - n} more" if n < len(texts) else ""
+        lines.append("  events: " + "; ".join(texts[:n]) + rest)
     lines.append("  " + " · ".join(_extras(m, s)))
     if m.stock_backend:
         lines.append(f"  {STOCK_BACKEND}")
@@ -172,7 +178,6 @@ def _verbose(m: ModelReport) -> list[str]:
         lines += [f"    {b}" for b in m.eager_buckets]
     table, said = _table(m)
     lines += table
-    said.add(m.loop.removeprefix("not graphable: "))
     if s["events"]:
         lines.append("  events (repeats counted):")
         for g in s["events"]:
@@ -184,6 +189,8 @@ def _verbose(m: ModelReport) -> list[str]:
             detail = g["detail"] or g["last_detail"]
             if detail in said:
                 detail = "(as above)"
+            elif g["varies"]:
+                detail += " (the latest; values vary)"
             if g["outcome"]:
                 detail += f" (last: {g['outcome']})"
             lines += _wrapped(head, detail, "    ", m.world_size)
@@ -194,7 +201,7 @@ def _table(m: ModelReport) -> tuple[list[str], set[str]]:
     """The per-signature table, and the reasons it printed."""
     lines = [f"  {'inputs':<34} {'status':<17} {'iters':>6} {'replays':>8} {'eager':>6} "
              f"{'capture':>8} {'setup':>7} {'pool':>8}  collectives"]
-    said = {m.graphs_reason}
+    said = {m.graphs_reason, m.loop.removeprefix("not graphable: ")}  # printed above the table
     for g in m.graphs:
         lines.append(
             f"  {g.inputs[:34]:<34} {_status(g):<17} {g.iterations:>6} {g.replays:>8} "
