@@ -58,10 +58,11 @@ STOCK_BACKEND = ("stock backend: collective fingerprints off, so a rank whose ca
                  "then init_process_group(backend='cpu:gloo,cuda:pgd_nccl')")
 # What wrap() says once (warn_stock_backend): the same, with what it means at run time.
 STOCK_BACKEND_AT_WRAP = ("the process group uses torch's stock backend, not pygraph_dist's graph-safe "
-                         "one: collective fingerprints are off, so if ranks capture different "
-                         "collectives no rank is named, and the replays wait on each other until the "
-                         "replay watchdog ends the process. To keep the check, call pgd.init() instead "
-                         "of init_process_group, or call pygraph_dist.backend.register() and then "
+                         "one: collective fingerprints are off, so a capture whose collectives differ "
+                         "between ranks is not caught (with them it falls back to eager and names the "
+                         "rank), and its replays can hang until the replay watchdog ends the process. "
+                         "To keep the check, call pgd.init() instead of init_process_group, or call "
+                         "pygraph_dist.backend.register() and then "
                          "init_process_group(backend='cpu:gloo,cuda:pgd_nccl', ...)")
 
 
