@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import json
 import logging
+import os
 import re
 
 import pytest
@@ -253,6 +254,11 @@ def test_stock_backend_warning_once_per_group(caplog, monkeypatch):
     assert "collective fingerprints are off" in said[0] and "pygraph_dist.backend.register()" in said[0]
 
 
+def test_report_without_a_wrapped_model():
+    assert str(pgd.report()) == "pygraph_dist: no wrapped model in this process"
+    assert pgd.report(as_dict=True) == {"models": []}
+
+
 # -------------------------------------------------------------------- ranks
 def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0, select=1):
     """Rank body: a loop through pgd.wrap(), and what report() says about it.
@@ -273,7 +279,7 @@ def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0,
         pgd.init()
     else:
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(__import__("os").environ["LOCAL_RANK"]))
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend)  # env:// from the launcher, as mp.spawn scripts do
     rank, dev = dist.get_rank(), device()
     torch.manual_seed(0)
@@ -357,10 +363,14 @@ def test_report_counts_invalidations_until_eager_on_gpu(ranks):
 
 
 @pytest.mark.gpu
-def test_stock_backend_is_said_at_wrap_and_in_the_report(ranks):
-    for r in ranks("test_report:loop_report", world_size=1, timeout=300,
-                   kwargs={"backend": "nccl", "steps": 12}):
-        assert len(r["stock_warnings"]) == 1, r["stock_warnings"]
-        assert "collective fingerprints are off" in r["stock_warnings"][0]
-        assert "stock backend: collective fingerprints off" in r["text"], r["text"]
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+def test_stock_backend_is_said_at_wrap_and_in_the_report(ranks, world):
+    results = ranks("test_report:loop_report", world_size=world, timeout=300,
+                    kwargs={"backend": "nccl", "steps": 12})
+    for rank, r in enumerate(results):
+        assert len(r["stock_warnings"]) == (rank == 0), r["stock_warnings"]  # once, on rank 0
+        assert "stock backend: collective fingerprints off" in flat(r["text"]), r["text"]
+        assert "pygraph_dist.backend.register()" in flat(r["text"]), r["text"]
         assert r["dict"]["models"][0]["stock_backend"] is True
+    assert "collective fingerprints are off" in results[0]["stock_warnings"][0]
+
