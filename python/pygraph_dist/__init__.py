@@ -29,7 +29,7 @@ from .conformance import LoopConformanceError
 from .engine import Engine
 from .lifetime import live_engines, teardown_all
 from .launch_env import LaunchEnvironment, LaunchError, detect, init
-from .report import Report, model_report
+from .report import Report, model_report, warn_stock_backend
 
 __all__ = [
     "AccumulationReadError",
@@ -246,15 +246,26 @@ def wrap(
         ignore_args=ignore_args, eval_graphs=eval_graphs,
     )
     engine = Engine(model, optimizer, config, process_group)
+    warn_stock_backend(engine)
     return GraphedModule(model, engine), optimizer
 
 
-def report(print_report: bool = False) -> Report:
-    """What was graphed, for which input shapes, with timings, memory and every fallback."""
-    r = Report([model_report(e) for e in live_engines()])  # creation order
+def report(print_report: bool = False, *, verbose: bool = False, as_dict: bool = False) -> Report | dict:
+    """What ran for each wrapped model on this rank, and why anything ran eagerly.
+
+    ``print(pgd.report())`` shows a few lines per model: steps replayed and eager
+    (with the tier, and ms per step where the graph was timed against eager),
+    each reason for eager steps with its fix, repeated events counted, the
+    precision that ran (your own autocast included) and what a stock process
+    group backend costs. ``verbose=True``: every input signature, setting and
+    event. ``as_dict=True`` returns :meth:`Report.as_dict` (plain JSON types,
+    keys documented there) for loggers; ``Report.scalars()`` gives per-model
+    numbers for TensorBoard or Weights & Biases.
+    """
+    r = Report([model_report(e) for e in live_engines()], verbose=verbose)  # creation order
     if print_report:
         print(r)
-    return r
+    return r.as_dict() if as_dict else r
 
 
 def shutdown() -> None:

@@ -595,14 +595,16 @@ class Engine:
         if self.loop.verdict:
             loop = f"not graphable: {self.loop.verdict}"
         elif self.loop.probe_done and self.loop.split_reason:
-            loop = (f"graphed per micro-batch (tier 2); one graph per iteration (tier 1) would "
-                    f"need: {self.loop.split_reason}")
+            # What the check found; what ran is the signatures' (report.summarize).
+            loop = (f"fits tier 2 (graphs per micro-batch, your code between them); not tier 1 "
+                    f"because: {self.loop.split_reason}")
         elif self.loop.probe_done:
             loop = f"conforms (checked over {self.config.probe} probe iterations)"
         else:
             loop = "not checked yet"
+        stock = self.device.type == "cuda" and self.fp_backend is None and self.graphs_possible
         backend = "graph-safe (pgd_nccl, fingerprints on)" if self.fp_backend is not None else (
-            "stock (no collective fingerprints)" if self.device.type == "cuda" else "cpu")
+            "stock (collective fingerprints off)" if self.device.type == "cuda" else "cpu")
         return ModelReport(
             model=type(self.module).__name__, rank=self.rank, world_size=self.world_size,
             graphs_possible=self.graphs_possible, graphs_reason=self.graphs_reason, loop=loop,
@@ -615,7 +617,8 @@ class Engine:
             skipped_steps=int(self.step.skipped.item()) if self.step.skipped is not None else None,
             compile=describe_compile(self.config.compile, self.compile_stats, self.compile_user),
             events=[asdict(e) for e in self.cache.events],
-            accumulation=self.accum.describe(),
+            accumulation=self.accum.describe(), stock_backend=stock,
+            tier1_needs=self.loop.split_reason if self.loop.probe_done else "",
         )
 
     # ================================================================ teardown

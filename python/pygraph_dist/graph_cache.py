@@ -323,5 +323,16 @@ def describe_entries(entries, bucket_kinds: list[str]) -> list:
             eager_ms=e.eager_ms, replay_ms=e.replay_ms, live=e.live,
             tier=(e.tier if e.tier == "eval" else str(e.tier) if e.live else
                   ("3" if p.phase == Phase.EAGER else "")),
+            was_tier=str(e.tier) if e.live or p.replays else "", autocast=_autocast_name(e.key),
         ))
     return out
+
+
+def _autocast_name(key: tuple) -> str:
+    """The caller's autocast a signature was seen under (the key's ambient part,
+    ``Engine._ambient``): "bf16", "fp16", or "" when off."""
+    ambient = key[2][-2:] if len(key) == 3 else ()  # evaluation keys put their mode first
+    if len(ambient) != 2 or not ambient[0]:
+        return ""
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return names.get(ambient[1], str(ambient[1]).replace("torch.", ""))

@@ -1,15 +1,77 @@
-"""``pygraph_dist.report()``: what was graphed, for which inputs, and why not."""
+"""``pygraph_dist.report()``: what was graphed, for which inputs, and why not.
+
+The engine describes each wrapped model as a :class:`ModelReport` (one
+:class:`GraphReport` per input signature, plus the event log). Everything a
+reader sees is derived from those records by :func:`summarize`, so the
+summary line, the per-signature table and the JSON form cannot disagree:
+"tier 2" is said only of a signature whose graphs replayed at tier 2, and a
+signature that ended eager is reported eager, whatever the loop check found.
+The text is rendered by :mod:`~pygraph_dist.report_text`.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 from dataclasses import asdict, dataclass, field
 
+logger = logging.getLogger("pygraph_dist")
+
+# Outcomes the event log appends to a detail: "(capturing again after warm-up)"
+# (graph_cache.invalidate), "(will retry after warm-up)" / "(running eagerly)"
+# (capture.capture_failed). Repeated events are counted without them.
+_OUTCOME = re.compile(r" \((capturing again after warm-up|will retry after warm-up|running eagerly)\)$")
+# The suffix CapturePolicy::invalidate (csrc/core/capture_policy.cpp) adds when a
+# signature goes eager after more than max_recaptures invalidations.
+_TOO_MANY = re.compile(r"^(?P<base>.*); the graph was invalidated (?P<n>\d+) times, more than "
+                       r"max_recaptures=(?P<max>\d+)$", re.S)
+_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+# Events whose detail differs every time (timings, sizes): counted by name only.
+_ROUTINE = {"captured", "selected"}
+
+# Fixes for eager reasons that do not carry one themselves (the loop check's
+# reasons, capture failures and argument warnings say what to change already).
+FIXES: tuple[tuple[str, str], ...] = (
+    ("was replaced by another object",
+     "change the value in place instead of assigning a new object, e.g. param_group['lr'].fill_(lr)"),
+    ("changed from",
+     "graphs bake this value in and capture again at each change: change it rarely, or keep it fixed"),
+    ("evicted from the graph cache",
+     "raise wrap(max_graphs=...), or pass wrap(pad_batch_to=...) so that fewer input shapes reach "
+     "the model"),
+    ("above graph_memory_mb", "raise wrap(graph_memory_mb=...), or leave it unset"),
+    ("is not faster than eager",
+     "expected where kernels, not launches, bound the step; wrap(select=False) keeps the graph anyway"),
+    ("not on a CUDA device", "move the model to a CUDA device before wrap()"),
+    ("the optimizer state was loaded", "load optimizer checkpoints before training, not every step"),
+    ("a parameter's storage was replaced",
+     "load weights in place (load_state_dict() without assign=True, or p.data.copy_(...))"),
+    ("a parameter was frozen or unfrozen",
+     "freeze or unfreeze parameters rarely: each change captures again"),
+)
+
+# What the stock backend costs, and how to keep the graph-safe one (backend.py:
+# pgd.init()'s "auto" is "cpu:gloo,cuda:pgd_nccl"; register() makes the name known).
+STOCK_BACKEND = ("stock backend: collective fingerprints off, so a rank whose captured collectives "
+                 "differ is not named; keep them with pgd.init(), or pygraph_dist.backend.register() "
+                 "then init_process_group(backend='cpu:gloo,cuda:pgd_nccl')")
+# What wrap() says once (warn_stock_backend): the same, with what it means at run time.
+STOCK_BACKEND_AT_WRAP = ("the process group uses torch's stock backend, not pygraph_dist's graph-safe "
+                         "one: collective fingerprints are off, so a capture whose collectives differ "
+                         "between ranks is not caught (with them it falls back to eager and names the "
+                         "rank), and its replays can hang until the replay watchdog ends the process. "
+                         "To keep the check, call pgd.init() instead of init_process_group, or call "
+                         "pygraph_dist.backend.register() and then "
+                         "init_process_group(backend='cpu:gloo,cuda:pgd_nccl', ...)")
 
 
 @dataclass(frozen=True)
 class GraphReport:
+    """One input signature of one model (``graph_cache.describe_entries``)."""
+
     inputs: str
-    phase: str
+    phase: str  # probe, warmup, capture, replay or eager (the core's CapturePolicy)
     reason: str
     iterations: int
     replays: int
@@ -26,9 +88,14 @@ class GraphReport:
     eager_ms: float = 0.0
     replay_ms: float = 0.0
     live: bool = False    # a graph for these inputs is held now
-    # 1: the whole iteration graphed; 3: eager, as written (reason says why
-    # and what reaches tier 1); "" while probing or warming up.
+    # 1 or 2 while a graph is held; 3: eager, as written (reason says why);
+    # "" while probing or warming up.
     tier: str = ""
+    # The tier of the last graph that replayed for these inputs ("" if none did):
+    # "2" with tier "3" is a signature that was graphed, then went eager.
+    was_tier: str = ""
+    # The caller's own autocast around the model call ("bf16", "fp16"; "" if none).
+    autocast: str = ""
 
 
 @dataclass(frozen=True)
@@ -38,7 +105,7 @@ class ModelReport:
     world_size: int
     graphs_possible: bool
     graphs_reason: str
-    loop: str
+    loop: str  # what the loop check found (not what ran: see summarize())
     amp: str
     optimizer: str
     optimizer_changes: list[str]
@@ -51,6 +118,10 @@ class ModelReport:
     compile: str = ""  # torch.compile inside the graph: how, compilations, seconds, recompiles
     # Gradient accumulation without no_sync(): the learned micro-batch count (accumulation.py)
     accumulation: str = ""
+    # CUDA through a process group without pygraph_dist's graph-safe backend.
+    stock_backend: bool = False
+    # The loop fits tier 2: what the probe saw that keeps it from tier 1.
+    tier1_needs: str = ""
 
     @property
     def replays(self) -> int:
@@ -71,63 +142,258 @@ class ModelReport:
         return sum(g.iterations for g in self.graphs if g.tier == "eval")
 
 
+# ------------------------------------------------------------------ summary
+_ANCHOR = re.compile(r" at (?:\S+:\d+|<unknown>)\. ")
+
+
+def split_violations(text: str) -> list[str]:
+    """The loop check's reasons, one per item: it joins ``"what at file:line. fix"``
+    strings with ``"; "`` (engine._finish_probe), and fixes may hold ``"; "`` too,
+    so a new item starts at the last ``"; "`` before the next ``" at file:line. "``."""
+    anchors = list(_ANCHOR.finditer(text))
+    if len(anchors) < 2:
+        return [text] if text else []
+    items, start = [], 0
+    for prev, nxt in zip(anchors, anchors[1:]):
+        cut = text.rfind("; ", prev.end(), nxt.start())
+        if cut < 0:
+            continue
+        items.append(text[start:cut])
+        start = cut + 2
+    items.append(text[start:])
+    return items
+
+
+def reason_items(text: str, world_size: int = 0) -> list[str]:
+    """A reason as separate items, each once. Agreed reasons are ``"rank 0: ...;
+    rank 1: ..."`` (agreement.agree), mostly the same on every rank: an item all
+    ``world_size`` ranks gave is shown once without ranks, others keep theirs."""
+    parts = re.split(r"(?:^|; )rank (\d+): ", text)
+    if len(parts) < 3 or parts[0]:
+        return split_violations(text)
+    ranks_of: dict[str, list[int]] = {}
+    for i in range(1, len(parts), 2):
+        for item in split_violations(parts[i + 1]):
+            ranks_of.setdefault(item.rstrip(". "), []).append(int(parts[i]))  # the last one ends in "."
+    everyone = set(range(world_size)) if world_size else {r for rs in ranks_of.values() for r in rs}
+    return [item if set(rs) >= everyone else f"rank{'s' if len(rs) > 1 else ''} "
+            f"{', '.join(map(str, rs))}: {item}" for item, rs in ranks_of.items()]
+
+
+def brief(item: str, limit: int = 200) -> str:
+    """One reason in about one sentence: ``what at file:line. fix`` without the
+    examples in brackets, or the text cut near ``limit`` at a clause boundary."""
+    anchor = _ANCHOR.search(item)
+    if anchor:
+        what = _drop_brackets(item[:anchor.start()])
+        item = f"{what}{anchor.group(0)}{item[anchor.end():]}"
+        if len(item) <= 1.5 * limit:
+            return item
+    if len(item) <= limit:
+        return item
+    cut = max(item.rfind(sep, 0, limit) for sep in (". ", "; ", ", ", " ("))
+    return item[:cut if cut > limit // 3 else limit].rstrip(" .;,") + " …"
+
+
+def _drop_brackets(text: str) -> str:
+    """``text`` without its top-level `` (...)`` asides (which may nest: ``parameters()``)."""
+    out, depth = [], 0
+    for i, ch in enumerate(text):
+        if ch == "(" and (depth or text[i - 1:i] == " "):
+            depth += 1
+            if depth == 1 and out and out[-1] == " ":
+                out.pop()
+            continue
+        if depth:
+            depth -= ch == ")"
+            continue
+        out.append(ch)
+    return "".join(out)
+
+
+def fix_for(reason: str) -> str:
+    """The fix :data:`FIXES` knows for ``reason`` ('' when the reason says it itself)."""
+    return next((fix for needle, fix in FIXES if needle in reason), "")
+
+
+def _precision(m: ModelReport) -> str:
+    amp = m.amp.split(" ")[0] if m.amp else "fp32"
+    weights: dict[str, int] = {}
+    for g in m.graphs:
+        weights[g.autocast] = weights.get(g.autocast, 0) + max(g.iterations, 1)
+    user = sorted((k for k in weights if k), key=lambda k: -weights[k])
+    if amp != "fp32":
+        return f"amp {amp} (wrap)" + (f", inside your autocast {'/'.join(user)}" if user else "")
+    if not user:
+        return "fp32"
+    text = f"user autocast {'/'.join(user)}"
+    if "" in weights:
+        with_ac = sum(1 for g in m.graphs if g.autocast)
+        text += f" ({with_ac} of {len(m.graphs)} input signatures; fp32 otherwise)"
+    return text
+
+
+def _event_groups(events: list[dict]) -> list[dict]:
+    """Events with the same name and detail (the outcome and the numbers in it
+    aside: "'weight_decay' changed from 0.01 to 0.02"), counted, in order. A
+    group's ``detail`` is its latest; ``varies`` says whether they differed."""
+    groups: dict[tuple, dict] = {}
+    for e in events:
+        detail = e.get("detail", "")
+        outcome = _OUTCOME.search(detail)
+        base = "" if e["event"] in _ROUTINE else _OUTCOME.sub("", detail)
+        g = groups.setdefault((e["event"], _NUMBER.sub("#", base)), {
+            "event": e["event"], "detail": base, "varies": False, "count": 0, "signatures": [],
+            "first_iteration": e["iteration"], "last_iteration": e["iteration"], "outcome": "",
+            "last_detail": "",
+        })
+        g["varies"] = g["varies"] or g["detail"] != base
+        g["detail"] = base
+        g["count"] += 1
+        g["last_iteration"] = e["iteration"]
+        g["last_detail"] = detail
+        g["outcome"] = outcome.group(1) if outcome else ""
+        if e.get("inputs", "") not in g["signatures"]:
+            g["signatures"].append(e.get("inputs", ""))
+    return list(groups.values())
+
+
+def _eager_reasons(m: ModelReport) -> list[dict]:
+    """Each distinct reason a signature ran eagerly for good, with its fix."""
+    out: dict[str, dict] = {}
+    for g in m.graphs:
+        if g.phase != "eager" or not g.reason:
+            continue
+        r = out.setdefault(g.reason, {"reason": g.reason, "short": "", "items": [], "fix": "",
+                                      "signatures": 0, "steps": 0, "invalidations": 0})
+        r["signatures"] += 1
+        r["steps"] += g.eager_iterations
+        base, prefix = g.reason, ""
+        too_many = _TOO_MANY.match(g.reason)
+        if too_many:
+            base = too_many["base"]
+            r["invalidations"] = int(too_many["n"])
+            prefix = f"invalidated {too_many['n']}x (max_recaptures={too_many['max']}) — "
+        r["items"] = reason_items(base, m.world_size)
+        more = f" (+{len(r['items']) - 1} more)" if len(r["items"]) > 1 else ""
+        r["short"] = prefix + brief(r["items"][0]) + more if r["items"] else prefix
+        r["fix"] = fix_for(base)
+    return sorted(out.values(), key=lambda r: -r["steps"])
+
+
+def summarize(m: ModelReport) -> dict:
+    """What ran, derived from the per-signature records alone (JSON-safe).
+
+    Keys: ``steps``, ``replayed``, ``eager`` (optimizer steps; eager counts the
+    probe, warm-up and capture steps too); ``status``: "no steps", "warming up",
+    "replaying" (every signature seen holds a graph or is still warming up),
+    "partly eager" or "eager"; ``tiers``: tiers of the graphs held now;
+    ``was_tiers``: tiers that replayed at some point (a signature since gone
+    eager included); ``replay_ms``/``eager_ms``/``speedup``: the timed selection
+    of the signature with the most replays, or None; ``precision``;
+    ``eager_reasons``: [{reason, short (about one sentence), items (the reason's
+    parts, each once), fix, signatures, steps, invalidations}];
+    ``events``: counted groups [{event, detail, varies, count, signatures,
+    first_iteration, last_iteration, outcome, last_detail}];
+    ``stock_backend``; ``tier1_needs``: [reason item] (only while a tier-2 graph is held).
+    """
+    gs = m.graphs
+    steps = sum(g.iterations for g in gs)
+    replayed = sum(g.replays for g in gs)
+    eager = sum(g.eager_iterations for g in gs)
+    live = sorted({g.tier for g in gs if g.live and g.tier})
+    was = sorted({g.was_tier for g in gs if g.was_tier and g.replays})
+    ended = [g for g in gs if g.phase == "eager"]
+    if not steps:
+        status = "no steps"
+    elif not ended:
+        status = "replaying" if replayed or live else "warming up"
+    else:
+        status = "eager" if len(ended) == len(gs) else "partly eager"
+    timed = [g for g in gs if g.replay_ms > 0 and g.eager_ms > 0]
+    best = max(timed, key=lambda g: g.replays) if timed else None
+    return {
+        "steps": steps, "replayed": replayed, "eager": eager, "status": status,
+        "tiers": live, "was_tiers": was,
+        "replay_ms": round(best.replay_ms, 3) if best else None,
+        "eager_ms": round(best.eager_ms, 3) if best else None,
+        "speedup": round(best.eager_ms / best.replay_ms, 2) if best else None,
+        "precision": _precision(m),
+        "eager_reasons": _eager_reasons(m),
+        "events": _event_groups(m.events),
+        "stock_backend": m.stock_backend,
+        "tier1_needs": reason_items(m.tier1_needs, m.world_size) if "2" in live else [],
+    }
+
+
+# ------------------------------------------------------------------- report
 @dataclass(frozen=True)
 class Report:
+    """What :func:`pygraph_dist.report` returns: ``str(report)`` is a few lines per
+    model (``verbose=True``: every signature, event and setting); ``models`` the
+    records; :meth:`as_dict` / :meth:`to_json` the machine-readable form."""
+
     models: list[ModelReport]
+    verbose: bool = False
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """Plain JSON types only, so ``json.loads(json.dumps(d)) == d``.
+
+        ``{"models": [model, ...]}``, one ``model`` per wrapped model in creation
+        order: every :class:`ModelReport` field (``model``, ``rank``,
+        ``world_size``, ``graphs_possible``, ``graphs_reason``, ``loop``,
+        ``amp``, ``optimizer``, ``optimizer_changes``, ``buckets``, ``backend``,
+        ``eager_buckets``, ``skipped_steps``, ``compile``, ``accumulation``,
+        ``stock_backend``, ``tier1_needs``), ``graphs``: one dict per input
+        signature with the :class:`GraphReport` fields, ``events``: the raw event
+        log [{iteration, inputs, event, detail}], and ``summary``: see
+        :func:`summarize` (steps, replayed, eager, status, tiers, timings,
+        precision, eager reasons with fixes, counted events)."""
+        return {"models": [{**asdict(m), "summary": summarize(m)} for m in self.models]}
+
+    def to_json(self, **kwargs) -> str:
+        """:meth:`as_dict` as a JSON string (``kwargs`` go to ``json.dumps``)."""
+        return json.dumps(self.as_dict(), **kwargs)
+
+    def scalars(self, prefix: str = "pygraph_dist/") -> dict[str, float]:
+        """Numbers to log per step, e.g. ``for k, v in pgd.report().scalars().items():
+        writer.add_scalar(k, v, step)`` (TensorBoard) or ``wandb.log(report.scalars())``.
+        Keys ``{prefix}{model}/{steps,replayed,eager,replay_ms,eager_ms}`` (a model
+        class wrapped twice gets ``#2``, ``#3``...)."""
+        out: dict[str, float] = {}
+        seen: dict[str, int] = {}
+        for m in self.models:
+            seen[m.model] = seen.get(m.model, 0) + 1
+            name = m.model if seen[m.model] == 1 else f"{m.model}#{seen[m.model]}"
+            s = summarize(m)
+            for key in ("steps", "replayed", "eager", "replay_ms", "eager_ms"):
+                if s[key] is not None:
+                    out[f"{prefix}{name}/{key}"] = s[key]
+        return out
+
+    def text(self, verbose: bool | None = None) -> str:
+        from .report_text import render
+
+        return render(self.models, self.verbose if verbose is None else verbose)
 
     def __str__(self) -> str:
-        if not self.models:
-            return "pygraph_dist: no wrapped model in this process"
-        lines = []
-        for m in self.models:
-            lines.append(f"pygraph_dist report — {m.model} (rank {m.rank} of {m.world_size})")
-            opt = m.optimizer + (f" ({', '.join(m.optimizer_changes)})" if m.optimizer_changes else "")
-            lines.append(f"  optimizer {opt}; amp {m.amp}; {m.buckets}; backend {m.backend}")
-            if not m.graphs_possible:
-                lines.append(f"  graphs unavailable: {m.graphs_reason}")
-            lines.append(f"  loop: {m.loop}")
-            if m.compile:
-                lines.append(f"  compile: {m.compile}")
-            if m.accumulation and m.accumulation.startswith("learned"):
-                lines.append(f"  gradient accumulation: {m.accumulation}")
-            if m.skipped_steps is not None:
-                lines.append(f"  non-finite steps skipped (skip_nonfinite): {m.skipped_steps}")
-            shown = {m.graphs_reason, m.loop.removeprefix("not graphable: ")} - {""}
-            if m.eager_buckets:
-                lines.append("  gradient buckets outside the graph:")
-                lines += [f"    {b}" for b in m.eager_buckets]
-            header = (f"  {'inputs':<34} {'tier':<4} {'phase':<8} {'iters':>6} {'replays':>8} {'eager':>6} "
-                      f"{'capture':>8} {'setup':>7} {'pool':>8}  collectives / reason")
-            lines.append(header)
-            for g in m.graphs:
-                tail = g.reason if g.phase == "eager" else g.collectives
-                if g.phase == "eager" and g.reason in shown:
-                    tail = "(reason above)"
-                shown.add(g.reason)
-                lines.append(
-                    f"  {g.inputs[:34]:<34} {g.tier or '-':<4} {g.phase:<8} {g.iterations:>6} {g.replays:>8} "
-                    f"{g.eager_iterations:>6} {g.capture_ms:>6.0f}ms {g.setup_s:>6.2f}s "
-                    f"{g.pool_mib:>6.1f}Mi  {tail}"
-                )
-                if g.segments and g.segments != "1 graph (whole iteration)" and g.segments != "no graph":
-                    lines.append(f"      segments: {g.segments}")
-                if g.selection:
-                    lines.append(f"      selection: {g.selection}")
-            if m.events:
-                lines.append("  events:")
-                for e in m.events[-12:]:
-                    detail = e["detail"]
-                    for reason in shown:
-                        if reason and detail.startswith(reason):
-                            detail = "(reason above)" + detail[len(reason):]
-                            break
-                    lines.append(f"    iteration {e['iteration']:>5} [{e['inputs'][:30]}] {e['event']}: {detail}")
-        return "\n".join(lines)
+        return self.text()
 
 
 def model_report(engine) -> ModelReport:
     """The report of one wrapped model (``Engine.describe``)."""
     return engine.describe()
+
+
+_stock_said: set[int] = set()
+
+
+def warn_stock_backend(engine) -> None:
+    """At ``wrap()``: say once per process group, on its rank 0, that a CUDA model
+    trains through torch's stock backend, what that loses and how to keep it."""
+    group = getattr(engine, "group", None)
+    if (engine.device.type != "cuda" or not engine.graphs_possible or engine.fp_backend is not None
+            or engine.rank != 0 or id(group) in _stock_said):
+        return
+    _stock_said.add(id(group))
+    logger.warning(STOCK_BACKEND_AT_WRAP)

@@ -91,7 +91,7 @@ def accumulate(steps=6, calls="4", clip=None, read="", learn=1):
         "ranks_agree": ranks_agree(mine, "cpu"),
         "rounds": model.engine.reducer.rounds,
         "accumulation": rep.accumulation,
-        "report": str(pgd.report()),
+        "report": str(pgd.report(verbose=True)),
         "error": error,
     }
 

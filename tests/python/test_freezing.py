@@ -70,7 +70,7 @@ def freeze_schedule(how="pgd", graphs=1, steps=18, outside=0):
            "moved_after": float((flat_params(net.backbone) - frozen_values).abs().max())}
     if how == "pgd":
         r = pgd.report().models[-1]
-        out["report"] = str(pgd.report())
+        out["report"] = str(pgd.report(verbose=True))
         out["events"] = [e["event"] + ": " + e["detail"] for e in r.events]
         out["replays"] = r.replays
         out["tiers"] = [g.tier for g in r.graphs]

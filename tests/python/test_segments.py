@@ -52,7 +52,7 @@ def sparse_vs_ddp():
         "eager_buckets": rep.eager_buckets,
         "buckets": rep.buckets,
         "emb_grad_sparse": bool(base.emb.weight.grad is not None and base.emb.weight.grad.is_sparse),
-        "report": str(pgd.report()),
+        "report": str(pgd.report(verbose=True)),
     }
 
 

@@ -1,0 +1,376 @@
+"""``pygraph_dist.report()``: short by default, consistent with its own table,
+and machine-readable.
+
+The record tests build :class:`ModelReport` values by hand for the cases that
+contradicted themselves before (a tier-2 loop whose only signature went eager,
+nine identical invalidations, the user's own autocast, a kept selection on an
+eager signature); the rank tests run real loops (CPU: 2 Gloo ranks; GPU: tier
+2, invalidations until eager, a stock NCCL process group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pygraph_dist as pgd
+from common import MLP, data, device
+from pygraph_dist.report import GraphReport, ModelReport, Report, split_violations, summarize
+
+report_mod = importlib.import_module("pygraph_dist.report")  # pgd.report is the function
+MAX_LINES = 12
+INPUTS = "(64, 256) int64, (64, 256) int64"
+LR_REASON = "param group 0: 'lr' was replaced by another object"
+SPLIT_REASON = (
+    "backward() was called on a tensor other than the loss returned by the model call (for example "
+    "loss / accumulation_steps, a sum with another loss, or scaler.scale(loss)), or with extra arguments "
+    "at train.py:120. A whole-iteration graph needs backward() of the returned loss; tier 2 graphs it "
+    "per micro-batch; "
+    "clip_grad_norm_() modifies a parameter, gradient, optimizer state or learning rate between "
+    "backward() and optimizer.step() at train.py:124. A graph would step before this runs. For gradient "
+    "clipping pass max_grad_norm=... to pygraph_dist.wrap(); move other gradient changes into the "
+    "model's forward/loss, or after optimizer.step().")
+
+
+# ------------------------------------------------------------------ records
+def graph(**kw) -> GraphReport:
+    base = dict(inputs=INPUTS, phase="replay", reason="", iterations=301, replays=295,
+                eager_iterations=6, capture_attempts=1, recaptures=0, collectives="3 all-reduces",
+                n_collectives=3, capture_ms=120.0, setup_s=1.5, pool_mib=300.0, live=True, tier="1",
+                was_tier="1")
+    base.update(kw)
+    return GraphReport(**base)
+
+
+def model(graphs, events=(), **kw) -> ModelReport:
+    base = dict(model="GPT", rank=0, world_size=2, graphs_possible=True, graphs_reason="",
+                loop="conforms (checked over 2 probe iterations)", amp="fp32", optimizer="GraphedAdamW",
+                optimizer_changes=["fused"], buckets="3 buckets, 40.9 MiB in all (largest 25.0 MiB)",
+                backend="graph-safe (pgd_nccl, fingerprints on)", graphs=list(graphs), events=list(events))
+    base.update(kw)
+    return ModelReport(**base)
+
+
+def gpt_gone_eager() -> ModelReport:
+    """Issue 28's GPT script: tier 2, nine invalidations by an lr object, then eager
+    for good, under the script's own bf16 autocast, on a stock backend."""
+    events = []
+    for i in range(9):
+        events.append(dict(iteration=6 + 6 * i, inputs=INPUTS, event="captured",
+                           detail=f"not recorded (stock backend); 3 graphs per step; capture {100 + i} ms"))
+        outcome = "running eagerly" if i == 8 else "capturing again after warm-up"
+        events.append(dict(iteration=9 + 6 * i, inputs=INPUTS, event="invalidated",
+                           detail=f"{LR_REASON} ({outcome})"))
+    g = graph(phase="eager", live=False, tier="3", was_tier="2", replays=9, eager_iterations=292,
+              recaptures=9, autocast="bf16", collectives="not recorded (stock backend)",
+              reason=f"{LR_REASON}; the graph was invalidated 9 times, more than max_recaptures=8",
+              selection="kept (tier 2 is not timed against eager)",
+              segments="3 graphs per step: forward and backward per micro-batch, step at optimizer.step()")
+    return model([g], events, stock_backend=True, backend="stock (collective fingerprints off)",
+                 loop=f"fits tier 2 (graphs per micro-batch, your code between them); not tier 1 because: "
+                      f"{SPLIT_REASON}", tier1_needs=SPLIT_REASON)
+
+
+def tier2_live_and_short_batch() -> ModelReport:
+    live = graph(tier="2", was_tier="2", replays=280, eager_iterations=6, iterations=286,
+                 selection="kept (tier 2 is not timed against eager)")
+    short = graph(inputs="(8, 256) int64, (8, 256) int64", phase="eager", live=False, tier="3", was_tier="",
+                  replays=0, eager_iterations=15, iterations=15, capture_ms=0.0, pool_mib=0.0,
+                  reason="evicted from the graph cache (least recently used; max_graphs=1)")
+    return model([live, short], tier1_needs=SPLIT_REASON,
+                 loop=f"fits tier 2 (graphs per micro-batch, your code between them); not tier 1 because: "
+                      f"{SPLIT_REASON}")
+
+
+def flat(text: str) -> str:
+    """The text with folded lines joined (the default form folds long lines)."""
+    return " ".join(text.split())
+
+
+def header_claims(text: str) -> tuple[set[str], bool]:
+    """The tiers the first line says replayed, and whether it says they ended eager."""
+    first = text.splitlines()[0]
+    return set(re.findall(r"tier (\d)", first)), "then eager" in first
+
+
+def check_consistent(m: ModelReport) -> None:
+    """The summary line and the table say the same thing about what ran."""
+    s = summarize(m)
+    default, verbose = Report([m]).text(), Report([m]).text(verbose=True)
+    tiers, then_eager = header_claims(default)
+    assert tiers == set(s["tiers"] or s["was_tiers"]), default
+    assert then_eager == (not s["tiers"] and bool(s["was_tiers"])), default
+    # The verbose "ran:" line is the default's first line, word for word.
+    ran = default.splitlines()[0].split(": ", 1)[1]
+    assert f"  ran: {ran}" in verbose.splitlines(), verbose
+    # Each table row's status is the signature's record.
+    for g in m.graphs:
+        row = next(line for line in verbose.splitlines() if line.startswith(f"  {g.inputs[:34]}"))
+        if g.phase == "eager":
+            assert "eager" in row and f"tier {g.tier}" not in row, row
+            assert (f"was tier {g.was_tier}" in row) == bool(g.was_tier), row
+        elif g.live:
+            assert f"tier {g.tier}" in row, row
+    # Nothing claims a kept graph for a signature that ended eager.
+    if all(g.phase == "eager" for g in m.graphs):
+        assert "selection: kept" not in verbose, verbose
+        assert "not tier 1 because" not in default, default  # tier 2 is not running
+    assert sum(g.replays for g in m.graphs) == s["replayed"]
+
+
+def test_tier2_verdict_then_eager_is_reported_as_eager():
+    m = gpt_gone_eager()
+    check_consistent(m)
+    text = str(Report([m]))
+    lines = text.splitlines()
+    assert len(lines) <= MAX_LINES, text
+    assert lines[0].endswith("301 steps, 9 replayed (tier 2, then eager), 292 eager"), lines[0]
+    # One sentence with its fix; the repeats counted, not listed.
+    assert "eager: invalidated 9x (max_recaptures=8) — param group 0: 'lr' was replaced by another object" \
+        in flat(text) and "Fix: change the value in place" in flat(text), text
+    assert flat(text).count(LR_REASON) == 1, text
+    assert "precision: user autocast bf16" in flat(text) and "amp fp32" not in flat(text), text
+    assert "stock backend: collective fingerprints off" in flat(text) and "pgd.init()" in flat(text), text
+    assert "init_process_group(backend='cpu:gloo,cuda:pgd_nccl')" in flat(text), text
+
+
+def test_repeated_events_are_counted():
+    m = gpt_gone_eager()
+    s = summarize(m)
+    groups = {g["event"]: g for g in s["events"]}
+    assert groups["invalidated"]["count"] == 9 and groups["invalidated"]["detail"] == LR_REASON, groups
+    assert groups["invalidated"]["outcome"] == "running eagerly"
+    assert groups["captured"]["count"] == 9  # details differ (timings); counted by name
+    verbose = Report([m]).text(verbose=True)
+    assert "invalidated 9x, iterations 9-57" in flat(verbose) and "captured 9x" in flat(verbose), verbose
+    assert flat(verbose).count(LR_REASON) == 2, verbose  # the table's reason and the one event group
+    # Events the eager line does not already say appear counted in the default form.
+    extra = [dict(iteration=100 + i, inputs=INPUTS, event="capture failed",
+                  detail="operation not permitted when stream is capturing (will retry after warm-up)")
+             for i in range(4)]
+    text = str(Report([model(m.graphs, m.events + extra)]))
+    assert "events: capture failed 4x — operation not permitted" in flat(text), text
+    # Details that differ only in their numbers are one group, shown by the latest.
+    wd = [dict(iteration=10 * i, inputs=INPUTS, event="invalidated",
+               detail=f"param group 0: 'weight_decay' changed from {0.01 * i:g} to {0.01 * (i + 1):g} "
+                      "(capturing again after warm-up)") for i in range(1, 6)]
+    groups = summarize(model([graph()], wd))["events"]
+    assert len(groups) == 1 and groups[0]["count"] == 5 and groups[0]["varies"], groups
+    text = str(Report([model([graph()], wd)]))
+    assert ("events: invalidated 5x — param group 0: 'weight_decay' changed from 0.05 to 0.06 "
+            "(the latest; values vary)") in flat(text), text
+
+
+def test_tier2_running_and_a_short_batch_eager():
+    m = tier2_live_and_short_batch()
+    check_consistent(m)
+    text = str(Report([m]))
+    assert len(text.splitlines()) <= MAX_LINES, text
+    assert "301 steps, 280 replayed (tier 2), 21 eager" in flat(text), text
+    assert "[(8, 256) int64, (8, 256) int64] eager: 0 replayed, 15 eager" in flat(text), text
+    assert "Fix: raise wrap(max_graphs=...)" in flat(text), text
+    assert "not tier 1 because: backward() was called on a tensor other than the loss" in flat(text), text
+    assert "(+1 more)" in flat(text), text
+    verbose = Report([m]).text(verbose=True)
+    # The loop check's reasons one per line, none a paragraph.
+    assert any(line.startswith("    - clip_grad_norm_() modifies a parameter")
+               for line in verbose.splitlines()), verbose
+    assert max(len(line) for line in verbose.splitlines()) <= 160, verbose
+    assert summarize(m)["status"] == "partly eager"
+
+
+def test_tier1_timed_and_precision_of_wrap_amp():
+    m = model([graph(replay_ms=0.9, eager_ms=2.4)], amp="bf16 (fp32 casts in graphs: Triton)")
+    check_consistent(m)
+    text = str(Report([m]))
+    assert "301 steps, 295 replayed (tier 1), 6 eager (probe, warm-up, capture); 0.90 ms/step replayed " \
+           "vs 2.40 eager (2.67x)" in flat(text), text
+    assert "precision: amp bf16 (wrap)" in flat(text), text
+    mixed = model([graph(autocast="bf16"), graph(inputs="(8,) float32", autocast="")])
+    assert summarize(mixed)["precision"] == "user autocast bf16 (1 of 2 input signatures; fp32 otherwise)"
+
+
+def test_default_stays_short_with_many_signatures_and_events():
+    gs = [graph(inputs=f"({b}, 32) float32", phase="eager", live=False, tier="3", was_tier="1", replays=3,
+                eager_iterations=10, iterations=13, reason=f"reason number {b % 4}") for b in range(20)]
+    events = [dict(iteration=i, inputs=f"({i % 20}, 32) float32", event=kind, detail=f"{kind} detail {i % 3}")
+              for i, kind in enumerate(["invalidated", "capture failed", "argument varies", "not kept"] * 15)]
+    m = model(gs, events, stock_backend=True, compile="compiled by the user: 3 compilation(s), 12.0 s; 2 after",
+              accumulation="learned: 4 micro-batches per step, all-reduced on the last; 9 skipped",
+              skipped_steps=2)
+    check_consistent(m)
+    text = str(Report([m]))
+    assert len(text.splitlines()) <= MAX_LINES, text
+    assert "... and 18 more input signatures" in flat(text), text
+    assert "(and 2 more reasons for eager steps)" in flat(text), text
+    assert "accumulation 4 micro-batches per step · 2 non-finite steps skipped" in flat(text), text
+
+
+def test_as_dict_round_trips_through_json():
+    r = Report([gpt_gone_eager(), tier2_live_and_short_batch()])
+    d = r.as_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert json.loads(r.to_json()) == d
+    s = d["models"][0]["summary"]
+    assert (s["status"], s["tiers"], s["was_tiers"], s["replayed"]) == ("eager", [], ["2"], 9)
+    assert s["eager_reasons"][0]["invalidations"] == 9 and s["eager_reasons"][0]["fix"]
+    assert d["models"][0]["graphs"][0]["autocast"] == "bf16"
+    scalars = r.scalars()
+    assert scalars["pygraph_dist/GPT/replayed"] == 9 and scalars["pygraph_dist/GPT#2/replayed"] == 280
+
+
+def test_split_violations_keeps_semicolons_inside_fixes():
+    items = split_violations(SPLIT_REASON)
+    assert len(items) == 2 and items[0].endswith("tier 2 graphs it per micro-batch"), items
+    assert items[1].startswith("clip_grad_norm_()") and "pygraph_dist.wrap(); move" in items[1]
+    assert split_violations("one reason; with a semicolon") == ["one reason; with a semicolon"]
+
+
+def test_stock_backend_warning_once_per_group(caplog, monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(report_mod, "_stock_said", set())
+    group = object()
+    engine = SimpleNamespace(device=torch.device("cuda", 0), graphs_possible=True, fp_backend=None,
+                             rank=0, group=group)
+    with caplog.at_level(logging.WARNING, logger="pygraph_dist"):
+        report_mod.warn_stock_backend(engine)
+        report_mod.warn_stock_backend(engine)  # a second model on the same group: said already
+        report_mod.warn_stock_backend(SimpleNamespace(**{**vars(engine), "fp_backend": object(),
+                                                         "group": object()}))
+        report_mod.warn_stock_backend(SimpleNamespace(**{**vars(engine), "rank": 1, "group": object()}))
+        report_mod.warn_stock_backend(SimpleNamespace(**{**vars(engine), "device": torch.device("cpu"),
+                                                         "group": object()}))
+    said = [r.getMessage() for r in caplog.records if "stock backend" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "collective fingerprints are off" in said[0] and "pygraph_dist.backend.register()" in said[0]
+
+
+def test_report_without_a_wrapped_model():
+    assert str(pgd.report()) == "pygraph_dist: no wrapped model in this process"
+    assert pgd.report(as_dict=True) == {"models": []}
+
+
+# -------------------------------------------------------------------- ranks
+def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0, select=1):
+    """Rank body: a loop through pgd.wrap(), and what report() says about it.
+
+    variant: readme (loss from the model), aux (a regulariser over the
+    parameters outside the model: eager on any device), wd (weight_decay
+    changed every 5 steps: invalidations until eager). clip: clip_grad_norm_
+    between backward and step (tier 2 on a GPU). backend: "auto" (pgd.init())
+    or a stock backend name given to init_process_group directly. select: wrap(select=...)."""
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    logging.getLogger("pygraph_dist").addHandler(Keep(logging.WARNING))
+    if backend == "auto":
+        pgd.init()
+    else:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend)  # env:// from the launcher, as mp.spawn scripts do
+    rank, dev = dist.get_rank(), device()
+    torch.manual_seed(0)
+    base = MLP().to(dev)
+    opt = torch.optim.AdamW(base.parameters(), lr=1e-3, weight_decay=0.01)
+    model, opt = pgd.wrap(base, opt, select=bool(select))
+    ac = (torch.autocast(dev.type, dtype=getattr(torch, autocast)) if autocast
+          else contextlib.nullcontext())
+    for step in range(steps):
+        if variant == "wd" and step % 5 == 0:
+            for g in opt.param_groups:
+                g["weight_decay"] = 0.01 * (1 + step)
+        x, y = data(step, rank, device=dev)
+        opt.zero_grad(set_to_none=True)
+        with ac:
+            loss = model(x, y)
+        if variant == "aux":
+            loss = loss + 1e-4 * sum(p.pow(2).sum() for p in model.parameters())
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    r = pgd.report()
+    d = pgd.report(as_dict=True)
+    m = r.models[-1]
+    return {"text": str(r), "verbose": str(pgd.report(verbose=True)), "dict": d,
+            "json_equal": json.loads(json.dumps(d)) == d, "summary": summarize(m),
+            "tiers": [g.tier for g in m.graphs], "phases": [g.phase for g in m.graphs],
+            "stock_warnings": [s for s in said if "stock backend" in s]}
+
+
+@pytest.mark.parametrize("variant", ["readme", "aux"])
+def test_report_of_a_cpu_loop_is_short_and_consistent(ranks, variant):
+    for r in ranks("test_report:loop_report", timeout=120,
+                   kwargs={"variant": variant, "autocast": "bfloat16" if variant == "readme" else ""}):
+        text, verbose = r["text"], r["verbose"]
+        assert len(text.splitlines()) <= MAX_LINES, text
+        assert r["json_equal"] and r["dict"]["models"][0]["summary"] == r["summary"]
+        assert r["phases"] == ["eager"] and r["summary"]["replayed"] == 0
+        assert text.splitlines()[0].endswith("10 steps, all eager"), text
+        assert "graphs unavailable:" in flat(text), text  # no CUDA graphs on a CPU: said once, first
+        assert "tier" not in text.splitlines()[0], text
+        assert "status" in flat(verbose) and "loop check:" in flat(verbose), verbose
+        if variant == "readme":
+            assert "precision: user autocast bf16" in flat(text), text
+            assert "autocast: bf16 (yours, around the model call)" in flat(verbose), verbose
+            assert verbose.count("loop check: conforms") == 1, verbose
+        else:
+            assert "eager: the loss's backward reaches model parameters directly" in flat(text), text
+            assert "test_report.py:" in flat(text) and "precision: fp32" in flat(text), text
+            assert "loop check: not graphable:" in flat(verbose), verbose
+        assert not r["stock_warnings"]  # CPU: no fingerprints to lose
+
+
+@pytest.mark.gpu
+def test_report_of_a_tier2_loop_on_gpu(ranks):
+    for r in ranks("test_report:loop_report", world_size=1, timeout=300,
+                   kwargs={"variant": "readme", "clip": 1, "steps": 30, "autocast": "bfloat16"}):
+        text = r["text"]
+        assert len(text.splitlines()) <= MAX_LINES, text
+        assert r["tiers"] == ["2"] and r["summary"]["tiers"] == ["2"], r["verbose"]
+        assert "replayed (tier 2)" in text.splitlines()[0], text
+        assert "not tier 1 because: clip_grad_norm_()" in flat(text), text
+        assert "precision: user autocast bf16" in flat(text), text
+        assert "stock backend" not in flat(text) and not r["stock_warnings"], text  # pgd.init(): graph-safe
+        assert r["json_equal"]
+
+
+@pytest.mark.gpu
+def test_report_counts_invalidations_until_eager_on_gpu(ranks):
+    for r in ranks("test_report:loop_report", world_size=1, timeout=300,
+                   kwargs={"variant": "wd", "steps": 70, "select": 0}):  # no drop before 9 invalidations
+        text, verbose = r["text"], r["verbose"]
+        assert len(text.splitlines()) <= MAX_LINES, text
+        assert r["phases"] == ["eager"] and r["summary"]["was_tiers"] == ["1"], verbose
+        assert "(tier 1, then eager)" in text.splitlines()[0], text
+        assert ("eager: invalidated 9x (max_recaptures=8) — param group 0: 'weight_decay' changed"
+                in flat(text)), text
+        assert "selection: kept" not in verbose, verbose
+        assert re.search(r"invalidated 9x, iterations \d+-\d+", verbose), verbose
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+def test_stock_backend_is_said_at_wrap_and_in_the_report(ranks, world):
+    results = ranks("test_report:loop_report", world_size=world, timeout=300,
+                    kwargs={"backend": "nccl", "steps": 12})
+    for rank, r in enumerate(results):
+        assert len(r["stock_warnings"]) == (rank == 0), r["stock_warnings"]  # once, on rank 0
+        assert "stock backend: collective fingerprints off" in flat(r["text"]), r["text"]
+        assert "pygraph_dist.backend.register()" in flat(r["text"]), r["text"]
+        assert r["dict"]["models"][0]["stock_backend"] is True
+    assert "collective fingerprints are off" in results[0]["stock_warnings"][0]
+
