@@ -258,10 +258,10 @@ def _event_groups(events: list[dict]) -> list[dict]:
     return list(groups.values())
 
 
-def _eager_reasons(m: ModelReport) -> list[dict]:
-    """Each distinct reason a signature ran eagerly for good, with its fix."""
+def _eager_reasons(m: ModelReport, graphs: list[GraphReport] | None = None) -> list[dict]:
+    """Each distinct reason a signature (of ``graphs``, default all) ran eagerly for good, with its fix."""
     out: dict[str, dict] = {}
-    for g in m.graphs:
+    for g in m.graphs if graphs is None else graphs:
         if g.phase != "eager" or not g.reason:
             continue
         r = out.setdefault(g.reason, {"reason": g.reason, "short": "", "items": [], "fix": "",
@@ -295,9 +295,12 @@ def summarize(m: ModelReport) -> dict:
     parts, each once), fix, signatures, steps, invalidations}];
     ``events``: counted groups [{event, detail, varies, count, signatures,
     first_iteration, last_iteration, outcome, last_detail}];
-    ``stock_backend``; ``tier1_needs``: [reason item] (only while a tier-2 graph is held).
+    ``stock_backend``; ``tier1_needs``: [reason item] (only while a tier-2 graph is held);
+    ``eval``: {calls, replayed, eager, signatures, eager_reasons} of the calls made
+    without autograd (evaluation.py), which the keys above leave out.
     """
-    gs = m.graphs
+    gs = [g for g in m.graphs if g.tier != "eval"]
+    evals = [g for g in m.graphs if g.tier == "eval"]
     steps = sum(g.iterations for g in gs)
     replayed = sum(g.replays for g in gs)
     eager = sum(g.eager_iterations for g in gs)
@@ -319,7 +322,10 @@ def summarize(m: ModelReport) -> dict:
         "eager_ms": round(best.eager_ms, 3) if best else None,
         "speedup": round(best.eager_ms / best.replay_ms, 2) if best else None,
         "precision": _precision(m),
-        "eager_reasons": _eager_reasons(m),
+        "eager_reasons": _eager_reasons(m, gs),
+        "eval": {"calls": sum(g.iterations for g in evals), "replayed": sum(g.replays for g in evals),
+                 "eager": sum(g.eager_iterations for g in evals), "signatures": len(evals),
+                 "eager_reasons": _eager_reasons(m, evals)},
         "events": _event_groups(m.events),
         "stock_backend": m.stock_backend,
         "tier1_needs": reason_items(m.tier1_needs, m.world_size) if "2" in live else [],

@@ -96,13 +96,22 @@ def _extras(m: ModelReport, s: dict) -> list[str]:
 def _default(m: ModelReport) -> list[str]:
     s = summarize(m)
     lines = [f"pygraph_dist — {m.model} (rank {m.rank} of {m.world_size}): {_ran(s)}"]
-    if len(m.graphs) > 1:
-        shown = sorted(m.graphs, key=lambda g: -g.iterations)[:2]
+    train = [g for g in m.graphs if g.tier != "eval"]
+    if len(train) > 1:
+        shown = sorted(train, key=lambda g: -g.iterations)[:2]
         for g in shown:
             lines.append(f"    [{g.inputs[:40]}] {_status(g)}: {g.replays} replayed, "
                          f"{g.eager_iterations} eager")
-        if len(m.graphs) > 2:
-            lines.append(f"    ... and {len(m.graphs) - 2} more input signatures")
+        if len(train) > 2:
+            lines.append(f"    ... and {len(train) - 2} more input signatures")
+    ev = s["eval"]
+    if ev["calls"]:
+        text = (f"  evaluation (no grad): {ev['calls']} calls, {ev['replayed']} replayed as forward graphs "
+                f"({ev['signatures']} signature{'s' if ev['signatures'] > 1 else ''})")
+        if ev["eager_reasons"]:
+            r = ev["eager_reasons"][0]
+            text += f"; eager: {_with_fix(r['short'], r['fix'])}"
+        lines.append(text)
     said: set[str] = set()
     room = 2
     if not m.graphs_possible and m.graphs_reason:
