@@ -83,7 +83,8 @@ def run(accelerator: Accelerator, *, steps: int = 20, batch: int = 8, seq: int =
     accelerator.print(f"eval loss {eval_loss:.4f} ({math.exp(eval_loss):.1f} perplexity), "
                       f"{1000 * elapsed / max(done, 1):.2f} ms/step")
     params = torch.cat([p.detach().float().reshape(-1).cpu() for p in accelerator.unwrap_model(model).parameters()])
-    return {"logged": logged, "eval_loss": eval_loss, "params": params, "steps": done}
+    return {"logged": logged, "eval_loss": eval_loss, "params": params, "steps": done,
+            "prepared": type(model).__name__}
 
 
 def main() -> None:
