@@ -38,7 +38,8 @@ def tokens(n: int, seq: int, vocab: int, seed: int) -> TensorDataset:
 def make_model(layers: int, width: int, vocab: int, seq: int, seed: int = 0) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
     config = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=layers,
-                        n_head=max(1, width // 64), bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        n_head=max(1, width // 64), bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        use_cache=False)  # training: no key/value cache built every step
     return GPT2LMHeadModel(config)
 
 
@@ -56,10 +57,11 @@ def run(accelerator: Accelerator, *, steps: int = 20, batch: int = 8, seq: int =
         model, optimizer, train, evaluation, scheduler)
 
     model.train()
-    logged, done, started = [], 0, time.perf_counter()
+    logged, done, first, started = [], 0, None, time.perf_counter()
     for (ids,) in train:
         with accelerator.accumulate(model):
             loss = model(input_ids=ids, labels=ids).loss
+            first = loss.detach().clone() if first is None else first
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), 1.0)
@@ -83,7 +85,7 @@ def run(accelerator: Accelerator, *, steps: int = 20, batch: int = 8, seq: int =
     accelerator.print(f"eval loss {eval_loss:.4f} ({math.exp(eval_loss):.1f} perplexity), "
                       f"{1000 * elapsed / max(done, 1):.2f} ms/step")
     params = torch.cat([p.detach().float().reshape(-1).cpu() for p in accelerator.unwrap_model(model).parameters()])
-    return {"logged": logged, "eval_loss": eval_loss, "params": params, "steps": done,
+    return {"logged": logged, "eval_loss": eval_loss, "params": params, "steps": done, "first_loss": first.item(),
             "prepared": type(model).__name__}
 
 

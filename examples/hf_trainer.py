@@ -41,7 +41,8 @@ def make_model(layers: int, width: int, vocab: int, seq: int, seed: int = 0) -> 
     torch.manual_seed(seed)
     config = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=layers,
                         n_head=max(1, width // 64), bos_token_id=0, eos_token_id=0,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        use_cache=False)  # training: no key/value cache built every step
     return GPT2LMHeadModel(config)
 
 
