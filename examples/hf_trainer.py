@@ -50,12 +50,13 @@ def training_arguments(output_dir: str, *, steps: int, batch: int, accum: int = 
                        eval_steps: int | None = 10, lr: float = 1e-3, **extra) -> TrainingArguments:
     cuda = torch.cuda.is_available()
     evaluation = {"eval_strategy": "steps", "eval_steps": eval_steps} if eval_steps else {"eval_strategy": "no"}
-    return TrainingArguments(
+    options = dict(
         output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch,
         per_device_eval_batch_size=batch, gradient_accumulation_steps=accum, max_grad_norm=1.0,
         learning_rate=lr, lr_scheduler_type="linear", warmup_steps=2, weight_decay=0.01,
         logging_steps=logging_steps, bf16=cuda, use_cpu=not cuda, report_to="none", save_strategy="no",
-        seed=0, disable_tqdm=True, dataloader_pin_memory=cuda, **evaluation, **extra)
+        seed=0, disable_tqdm=True, dataloader_pin_memory=cuda, **evaluation)
+    return TrainingArguments(**{**options, **extra})
 
 
 def run(plain: bool, output_dir: str, *, steps: int = 20, batch: int = 8, seq: int = 64, layers: int = 2,

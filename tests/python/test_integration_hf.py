@@ -181,6 +181,74 @@ def test_trainer_replays_graphs_bitwise_like_graphs_false(ranks):
     assert r["loss"] == r["eager_loss"] and r["eval"] == r["eager_eval"] and len(r["eval"]) == 2
 
 
+def trainer_resume(steps: int = 6):
+    """Rank body: PGDTrainer saving a checkpoint half way, and a fresh PGDTrainer
+    resuming from it (optimizer state, scheduler, RNG): the same final parameters."""
+    import os
+
+    from hf_trainer import TokenDataset, make_model, run, training_arguments
+
+    import pygraph_dist as pgd
+    from pygraph_dist.integrations.hf import PGDTrainer
+
+    pgd.init()
+    kw = dict(batch=4, logging_steps=2, eval_steps=3)
+    with tempfile.TemporaryDirectory() as out:
+        whole = run(False, out, steps=steps, seq=32, layers=2, width=64, vocab=128, save_strategy="steps",
+                    save_steps=steps // 2, **kw)
+        model = make_model(2, 64, 128, 32)
+        trainer = PGDTrainer(model=model, args=training_arguments(out, steps=steps, **kw),
+                             train_dataset=TokenDataset(steps * 2 * 4, 32, 128, seed=1),
+                             eval_dataset=TokenDataset(16, 32, 128, seed=2))
+        trainer.train(resume_from_checkpoint=os.path.join(out, f"checkpoint-{steps // 2}"))
+        resumed = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    return {"max_diff": float((resumed - whole["params"]).abs().max()), **_report()}
+
+
+def test_trainer_checkpoint_resume_on_cpu(ranks):
+    r, = ranks("test_integration_hf:trainer_resume", world_size=1, timeout=240)
+    assert r["max_diff"] < CPU_TOLERANCE, (r["max_diff"], r["text"])
+
+
+def prepare_rules():
+    """Rank body: what PGDAccelerator.prepare refuses, and what it gives back."""
+    from accelerate_loop import make_model
+
+    import pygraph_dist as pgd
+    from pygraph_dist.integrations.hf import PGDAccelerator
+
+    pgd.init()
+    accelerator = PGDAccelerator(cpu=True)
+    out = {}
+    try:
+        accelerator.prepare(make_model(1, 64, 128, 32))
+    except ValueError as e:
+        out["alone"] = str(e)
+    frozen = make_model(1, 64, 128, 32).requires_grad_(False)
+    out["frozen_type"] = type(accelerator.prepare(frozen)).__name__  # nothing to train: Accelerate's own
+    model = make_model(1, 64, 128, 32)
+    wrapped, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    out["type"] = type(wrapped).__name__
+    out["unwrapped_is_model"] = accelerator.unwrap_model(wrapped) is model
+    out["state_dict_prefixed"] = any(k.startswith("module.") for k in accelerator.get_state_dict(wrapped))
+    out["in_registry"] = [type(m).__name__ for m in accelerator._models]  # noqa: SLF001
+    try:
+        with accelerator.trigger_sync_in_backward(wrapped):
+            pass
+    except NotImplementedError as e:
+        out["trigger"] = str(e)
+    return out
+
+
+def test_prepare_pairs_models_with_optimizers(ranks):
+    r, = ranks("test_integration_hf:prepare_rules", world_size=1, timeout=120)
+    assert "no optimizer in the same prepare() call" in r.get("alone", ""), r
+    assert r["frozen_type"] == "GPT2LMHeadModel" and r["type"] == "GraphedModule", r
+    assert r["unwrapped_is_model"] and not r["state_dict_prefixed"], r
+    assert r["in_registry"] == ["GPT2LMHeadModel", "GraphedModule"], r  # the frozen one, then the wrapper
+    assert "outside accelerator.no_sync" in r.get("trigger", ""), r
+
+
 # ------------------------------------------------------- optional dependency
 def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -148,9 +148,11 @@ class PGDAccelerator(Accelerator):
             if model not in self._models:
                 self._models.append(model)
             return model
-        trains = any(p.requires_grad for p in model.parameters())
-        if evaluation_mode or not trains:
-            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if not any(p.requires_grad for p in model.parameters()):
+            # Nothing to reduce: no wrapper (Accelerate's MULTI_CPU branch would try DDP, which refuses it).
+            evaluation_mode = True
+        if evaluation_mode:
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
         if not self._pgd_preparing:
             raise ValueError(
                 f"PGDAccelerator: pass the {type(model).__name__} together with its optimizer to one "
