@@ -1,7 +1,7 @@
 """Hugging Face Trainer: ms per optimizer step, stock ``Trainer`` (DDP) against
 ``PGDTrainer`` (pygraph_dist), side by side in one process.
 
-    python benchmarks/bench_hf.py --out benchmarks/results/h100-hf.json       # one GPU
+    torchrun --nproc-per-node=1 benchmarks/bench_hf.py --out benchmarks/results/h100-hf.json  # one GPU
     torchrun --nproc-per-node=2 benchmarks/bench_hf.py --out results/hf-n2.json
     python benchmarks/bench_hf.py --smoke --out /tmp/hf.json                   # the harness on a CPU
 

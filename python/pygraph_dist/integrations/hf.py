@@ -282,6 +282,13 @@ if _transformers is not None:
             wrap_options, kwargs = split_wrap_options(dict(kwargs))
             self.pgd_wrap_options = wrap_options  # read by create_accelerator_and_postprocess
             super().__init__(*args, **kwargs)
+            if self.args.n_gpu > 1:
+                # Trainer's own multi-GPU mode without a launcher wraps the model in nn.DataParallel
+                # (Trainer._wrap_model) and never passes it to accelerator.prepare().
+                raise ValueError(
+                    f"PGDTrainer sees {self.args.n_gpu} GPUs in one process, where Trainer would use "
+                    "nn.DataParallel; launch one process per GPU (torchrun --nproc-per-node=N, or "
+                    "CUDA_VISIBLE_DEVICES=0 for one GPU).")
 
         def create_accelerator_and_postprocess(self) -> None:
             super().create_accelerator_and_postprocess()
