@@ -52,7 +52,10 @@ def run(accelerator: Accelerator, *, steps: int = 20, batch: int = 8, seq: int =
     train = DataLoader(tokens(steps * accum * batch * accelerator.num_processes, seq, vocab, seed=1),
                        batch_size=batch, shuffle=False)
     evaluation = DataLoader(tokens(4 * batch * accelerator.num_processes, seq, vocab, seed=2), batch_size=batch)
-    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=steps)
+    # Accelerate's prepared scheduler steps once per process per optimizer step (its
+    # AcceleratedScheduler, split_batches=False), so the schedule is counted that way.
+    n = accelerator.num_processes
+    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2 * n, num_training_steps=steps * n)
     model, optimizer, train, evaluation, scheduler = accelerator.prepare(
         model, optimizer, train, evaluation, scheduler)
 

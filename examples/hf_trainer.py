@@ -86,11 +86,12 @@ def main() -> None:
         pgd.init()  # before TrainingArguments, so that Accelerate uses pygraph_dist's process group
     with tempfile.TemporaryDirectory() as out:
         result = run(args.plain, out, steps=args.steps)
-    for entry in result["log_history"]:
-        if "loss" in entry or "eval_loss" in entry:
-            print({k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()})
-    if not args.plain:
-        print(pgd.report())
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        for entry in result["log_history"]:
+            if "loss" in entry or "eval_loss" in entry:
+                print({k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()})
+        if not args.plain:
+            print(pgd.report())
     pgd.shutdown()
 
 
