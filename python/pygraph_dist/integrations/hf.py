@@ -135,8 +135,11 @@ class PGDAccelerator(Accelerator):
                 self._models.remove(model)
             args[mi] = graphed
             if self.is_main_process:
-                logger.info("accelerate: %s wrapped by pygraph_dist instead of %s", type(model).__name__,
-                            "DistributedDataParallel" if self.use_distributed else "nothing (one process)")
+                logger.info("accelerate: %s wrapped by pygraph_dist instead of %s%s", type(model).__name__,
+                            "DistributedDataParallel" if self.use_distributed else "nothing (one process)",
+                            f"; Accelerate's {self.mixed_precision} autocast runs inside the module's forward "
+                            "(pygraph_dist's own amp stays off, so report() says amp fp32)"
+                            if self.native_amp else "")
         return super().prepare(*args, device_placement=device_placement)
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
