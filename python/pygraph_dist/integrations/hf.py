@@ -123,14 +123,18 @@ class PGDAccelerator(Accelerator):
             return super().prepare(*args, device_placement=device_placement)  # Accelerate's error
         args = list(args)
         for mi, oi in _pairs(args):
-            self._check_supported()
             _ensure_process_group()
+            self._check_supported()
             self._pgd_preparing = True
             try:
                 model = self.prepare_model(args[mi], device_placement=device_placement[mi])
             finally:
                 self._pgd_preparing = False
             graphed, _ = pgd.wrap(model, _inner(args[oi]), **self._pgd_options())
+            if graphed.engine.device.type == "cuda" and graphed.engine.fp_backend is None and self.is_main_process:
+                logger.info("the process group uses torch's own NCCL backend (created before pygraph_dist "
+                            "could): graphs work, without collective fingerprints; call pygraph_dist.init() "
+                            "before creating the Accelerator or TrainingArguments for the graph-safe backend")
             if model in self._models:  # Accelerate's registry holds the wrapper, as it holds DDP
                 self._models.remove(model)
             args[mi] = graphed
