@@ -93,7 +93,6 @@ PRODUCERS = (
     "drift",                   # graph_cache.py: why a graph was invalidated
     "hyperparams_drift",       # optim.py: a hyperparameter baked into the graph changed
     "_sgd_device_lr_problem",  # optim.py: why SGD keeps a float lr
-    "overlap_reason",          # step.py: why the step does not overlap the last all-reduce
     "loss_error",              # step.py: the model did not produce a scalar loss
 )
 

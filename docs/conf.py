@@ -56,7 +56,8 @@ napoleon_numpy_docstring = False
 # machines have none, so those targets are accepted without a link.
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|typing|collections|datetime|contextlib)(\..*)?"),
-    (r"py:.*", r"(Mapping|Callable|Any|Engine|Report|ModelReport|GraphReport|optional)"),
+    (r"py:.*", r"'?(Mapping|Callable|Any|Engine|Report|ModelReport|GraphReport|optional)\b.*"),
+    (r"py:.*", r"pygraph_dist\.engine\.Engine"),
     (r"py:.*", r"(int|float|str|bool|dict|list|tuple|None|object|RuntimeError)"),
 ]
 
