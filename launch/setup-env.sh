@@ -16,7 +16,8 @@
 #    on local disk).
 # 3. Build and test tools that are missing (none is downloaded when all are
 #    present), mpi4py built against the launcher's MPI; optional ones
-#    (matplotlib, tqdm, mpi4py) only warn when they cannot be installed.
+#    (matplotlib, tqdm, mpi4py; with PGD_SETUP_TESTS=1 sphinx and myst-parser
+#    for the docs build test) only warn when they cannot be installed.
 # 4. pygraph_dist itself: `pip install --no-build-isolation .`, so that the
 #    extension compiles against the torch in the environment.
 set -euo pipefail
@@ -220,6 +221,15 @@ need_opt=$(missing numpy:numpy matplotlib:matplotlib tqdm:tqdm)
 if [ -n "$need_opt" ]; then
   # shellcheck disable=SC2086
   optional_install "$need_opt" "the benchmark's plots and its smoke test are skipped" $need_opt
+fi
+# The documentation build (tests/python/test_docs.py builds docs/ with warnings
+# as errors); without these that test is skipped, with the reason.
+if [ "${PGD_SETUP_TESTS:-0}" = 1 ]; then
+  need_docs=$(missing sphinx:sphinx myst_parser:myst-parser)
+  if [ -n "$need_docs" ]; then
+    # shellcheck disable=SC2086
+    optional_install "$need_docs" "the documentation build test is skipped" $need_docs
+  fi
 fi
 
 # mpi4py compiled against the MPI whose launcher starts the ranks (pip's wheel

@@ -167,19 +167,26 @@ def wrap(
         probe: iterations that run the loop as written while it is checked.
         graphs: ``False`` keeps the engine (reducer, AMP, checks) but never captures.
         max_grad_norm: clip the global gradient norm inside the iteration.
-        max_graphs / graph_memory_mb: bounds of the per-input-shape graph cache.
+        max_graphs: input signatures that keep a graph at once (least
+            recently used out; an evicted one captures again when it returns).
+        graph_memory_mb: cap on the graphs' memory (``None``: no cap).
         broadcast_buffers: rank 0's buffers at every forward, like DDP.
         replay_timeout: seconds before a stuck replay ends the process (0 = off;
             default: the process group's timeout).
+        process_group: the group whose ranks train this model (default: WORLD).
+        monitor: watch the user's code between the model call and
+            ``optimizer.step()``, so that a loop a graph cannot replay is
+            caught; ``False`` removes those checks.
         eager_params: names of parameters (as in ``named_parameters()``) whose
             gradient all-reduce runs outside the graph, in a bucket of its own;
             the iteration is then captured as two graphs with that reduction
             between them. Sparse embedding weights (``nn.Embedding(sparse=True)``)
             are handled that way automatically, and their update runs eagerly.
-        select / select_margin: time the eager warm-up and the first replays,
-            and keep a graph only if it is faster than eager by the margin
-            (maxima over ranks, so every rank decides alike). ``select=False``
-            keeps every graph that captures.
+        select: time the eager warm-up and the first replays, and keep a
+            graph only if it is faster than eager by ``select_margin`` (maxima
+            over ranks, so every rank decides alike). ``select=False`` keeps
+            every graph that captures.
+        select_margin: the fraction a replay must beat eager by (0.02: 2%).
         pad_batch_to: batch sizes to pad dim 0 of the inputs up to (e.g.
             ``(32, 64)``), so that a short last batch reuses a graph. Off by
             default: padded rows change the loss unless they are masked, e.g.
