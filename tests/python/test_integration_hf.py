@@ -31,8 +31,10 @@ def _report(model_index: int = -1) -> dict:
     import pygraph_dist as pgd
 
     rep = pgd.report().models[model_index]
-    return {"tiers": [g.tier for g in rep.graphs], "phases": [g.phase for g in rep.graphs],
-            "replays": rep.replays, "loop": rep.loop, "model": rep.model, "text": str(pgd.report())}
+    train = [g for g in rep.graphs if g.tier != "eval"]  # evaluation calls have graphs of their own
+    return {"tiers": [g.tier for g in train], "phases": [g.phase for g in train],
+            "replays": rep.replays, "eval_calls": rep.eval_calls, "eval_replays": rep.eval_replays,
+            "loop": rep.loop, "model": rep.model, "text": str(pgd.report(verbose=True))}
 
 
 def _losses(history: list[dict], key: str) -> list[float]:
