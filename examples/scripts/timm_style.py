@@ -359,6 +359,7 @@ def write_result(args, model, model_ema, log, rank, world_size) -> None:
     inner = model.module
     params = torch.cat([p.detach().float().reshape(-1).cpu() for p in inner.parameters()])
     ema = torch.cat([v.detach().float().reshape(-1).cpu() for v in model_ema.module.state_dict().values()])
+    ema_params = torch.cat([p.detach().float().reshape(-1).cpu() for p in model_ema.module.parameters()])
     buffers = torch.cat([b.detach().float().reshape(-1).cpu() for b in inner.buffers()])
     result = {"mode": args.mode, "rank": rank, "world_size": world_size,
               "losses": torch.stack(log.pop("losses")).float().cpu().tolist(), **log,
@@ -375,7 +376,7 @@ def write_result(args, model, model_ema, log, rank, world_size) -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        torch.save({"params": params, "buffers": buffers, "ema": ema}, out / "final_params.pt")
+        torch.save({"params": params, "buffers": buffers, "ema": ema, "ema_params": ema_params}, out / "final_params.pt")
     (out / f"result_rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
 
 
