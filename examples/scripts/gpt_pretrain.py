@@ -199,6 +199,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="autocast dtype (default bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--compile", action="store_true", help="torch.compile(model) before wrapping")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (eager: a CPU smoke test)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--time-from", type=int, default=10, help="first iteration timed for ms/it")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="for the MFU estimate (H100 bf16 dense)")
@@ -267,7 +268,7 @@ def main(argv=None) -> None:
     if args.compile:
         if master_process:
             print("compiling the model...")
-        model = torch.compile(model)
+        model = torch.compile(model, backend=args.compile_backend)
 
     # ---- the lines that differ: DDP -------------------------------------------------------
     if args.mode == "ddp":

@@ -230,9 +230,10 @@ def test_bench_scripts_smoke(tmp_path):
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     result = json.loads((tmp_path / "bench_scripts.json").read_text())
     modes = [row["mode"] for row in result["train"]]
-    assert modes == ["ddp", "pgd", "ddp+compile", "pgd+compile"]
+    assert modes == ["ddp", "pgd", "ddp+compile", "pgd+compile", "pgd_nographs"]
     assert all(row["ms_per_iter"] > 0 for row in result["train"])
-    assert {row["mode"] for row in result["eval"]} == {"ddp", "pgd"}
+    assert [row["mode"] for row in result["eval"]] == modes
+    assert result["pgd_vs_graphs_false_bitwise"] == {"eval": True, "losses": True}
     assert all(row["s_per_eval"] > 0 for row in result["eval"])
     table = (tmp_path / "bench_scripts.txt").read_text()
     assert "ms/it" in table and "pgd+compile" in table and "s/eval" in table
