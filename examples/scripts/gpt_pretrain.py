@@ -204,6 +204,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--time-from", type=int, default=10, help="first iteration timed for ms/it")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="for the MFU estimate (H100 bf16 dense)")
     p.add_argument("--no-checkpoint", action="store_true")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True): flash attention's backward is otherwise "
+                        "not bitwise reproducible from run to run (atomic adds), with or without graphs")
     return p.parse_args(argv)
 
 
@@ -215,6 +218,9 @@ def main(argv=None) -> None:
         os.environ.setdefault(k, v)
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
+        torch.use_deterministic_algorithms(True)
 
     # ---- the lines that differ: the process group ------------------------------------
     if args.mode == "ddp":

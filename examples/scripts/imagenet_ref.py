@@ -149,7 +149,6 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     torch.manual_seed(args.seed)
-    cudnn.deterministic, cudnn.benchmark = True, False
     ngpus = torch.cuda.device_count()
     args.world_size = args.world_size or ngpus or 2
     if args.dist_url is None:
@@ -162,6 +161,7 @@ def main(argv=None) -> None:
 
 def main_worker(gpu: int, args: argparse.Namespace) -> None:
     cuda = torch.cuda.is_available()
+    cudnn.deterministic, cudnn.benchmark = True, False  # a spawned process starts with torch's defaults
     args.rank = gpu
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend=backend, init_method=args.dist_url, world_size=args.world_size,

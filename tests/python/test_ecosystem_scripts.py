@@ -252,16 +252,18 @@ NOT_REPLAYED = 6
 EVAL_NOT_REPLAYED = 4
 
 GPU_RUNS = {
+    # Bitwise across processes needs deterministic kernels: --deterministic for the GPT
+    # (flash attention's backward), cudnn.deterministic for the convolutions.
     # 41 iterations x 2 micro-steps; evaluation at 0, 10, 20, 30, 40: 5 x 2 splits x 5 batches.
     "gpt": ("gpt_pretrain.py", ["--n-layer", "2", "--n-embd", "128", "--n-head", "4", "--block-size", "64",
                                 "--batch-size", "16", "--max-iters", "40", "--eval-interval", "10",
                                 "--eval-iters", "5", "--log-interval", "10", "--warmup-iters", "5",
-                                "--grad-accum-steps", "2", "--dtype", "bfloat16"], 50),
+                                "--grad-accum-steps", "2", "--dtype", "bfloat16", "--deterministic"], 50),
     "gpt+compile": ("gpt_pretrain.py", ["--n-layer", "2", "--n-embd", "128", "--n-head", "4",
                                         "--block-size", "64", "--batch-size", "16", "--max-iters", "40",
                                         "--eval-interval", "10", "--eval-iters", "5", "--log-interval", "10",
                                         "--warmup-iters", "5", "--grad-accum-steps", "2", "--dtype", "bfloat16",
-                                        "--compile"], 50),
+                                        "--deterministic", "--compile"], 50),
     # 3 epochs x 8 steps; validate() 3 x 8 batches.
     "imagenet": ("imagenet_ref.py", ["--train-samples", "256", "--val-samples", "256", "--batch-size", "32",
                                      "--epochs", "3"], 24),
