@@ -99,6 +99,16 @@ def run_mode(mode: str, shape: list[str], sched: list[str], out_dir: Path, timeo
     return result
 
 
+def is_eval_record(g: dict) -> bool:
+    """An evaluation (forward-only) graph in ``pgd.report()``: ``kind == "eval"``,
+    or, without that field, segments that say so (as tests/python/test_ecosystem_scripts.py)."""
+    kind = g.get("kind") or g.get("mode")
+    if kind:
+        return kind == "eval"
+    seg = (g.get("segments") or "").lower()
+    return "eval" in seg or "forward only" in seg or "forward-only" in seg
+
+
 def summarize(results: list[dict], eval_batches: int) -> dict:
     ok = {r["mode"]: r for r in results if "error" not in r}
     base, base_c = ok.get("ddp"), ok.get("ddp+compile")
@@ -115,7 +125,9 @@ def summarize(results: list[dict], eval_batches: int) -> dict:
                "mfu": r["mfu"], "wall_s": r["wall_s"]}
         rep = r.get("report")
         if rep:
-            train_graphs = [g for g in rep["graphs"] if (g.get("kind") or "train") != "eval"]
+            train_graphs = [g for g in rep["graphs"] if not is_eval_record(g)]
+            eval_graphs = [g for g in rep["graphs"] if is_eval_record(g)]
+            row["eval_replays"] = sum(g["replays"] for g in eval_graphs)
             row["tier"] = next((g["tier"] for g in train_graphs if g["tier"]), "")
             row["replays"] = sum(g["replays"] for g in train_graphs)
             row["iterations"] = sum(g["iterations"] for g in train_graphs)
@@ -125,7 +137,7 @@ def summarize(results: list[dict], eval_batches: int) -> dict:
         if timed:
             s = statistics.median(timed)
             evals.append({"mode": r["mode"], "s_per_eval": s, "ms_per_batch": s * 1e3 / (2 * (eval_batches // 2)),
-                          "evaluations": len(timed)})
+                          "evaluations": len(timed), "graph_replays": row.get("eval_replays")})
     eager_eval = next((e["s_per_eval"] for e in evals if e["mode"] == "ddp"), None)
     for e in evals:
         e["x_vs_ddp"] = eager_eval / e["s_per_eval"] if eager_eval else None
@@ -164,11 +176,12 @@ def table(summary: dict, args: argparse.Namespace) -> str:
         "",
         f"# s/eval: estimate_loss() of {2 * (args.eval_batches // 2)} batches under model.eval() + no_grad(), "
         "median over the evaluations after the first; x DDP: DDP's s/eval / this row's",
-        f"{'mode':<14} {'s/eval':>8} {'ms/batch':>9} {'x DDP':>7} {'evals':>6}",
+        f"{'mode':<14} {'s/eval':>8} {'ms/batch':>9} {'x DDP':>7} {'evals':>6} {'eval graph replays':>19}",
     ]
     for e in summary["eval"]:
+        replays = "-" if e["graph_replays"] is None else e["graph_replays"]
         lines.append(f"{e['mode']:<14} {e['s_per_eval']:>8.3f} {e['ms_per_batch']:>9.3f} {_x(e['x_vs_ddp']):>7} "
-                     f"{e['evaluations']:>6}")
+                     f"{e['evaluations']:>6} {replays:>19}")
     if summary["pgd_vs_graphs_false_bitwise"] is not None:
         b = summary["pgd_vs_graphs_false_bitwise"]
         lines.append(f"# pgd vs pgd_nographs bitwise: losses {b['losses']}, evaluation {b['eval']}")

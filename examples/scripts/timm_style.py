@@ -376,7 +376,8 @@ def write_result(args, model, model_ema, log, rank, world_size) -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        torch.save({"params": params, "buffers": buffers, "ema": ema, "ema_params": ema_params}, out / "final_params.pt")
+        torch.save({"params": params, "buffers": buffers, "ema": ema, "ema_params": ema_params},
+                   out / "final_params.pt")
     (out / f"result_rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
 
 
