@@ -29,8 +29,10 @@ Definitions (as written in each row):
                ``loss.item()`` per batch), synchronised; the median over the
                evaluations after the first (the first warms up and captures).
 
-Writes ``bench_scripts.json`` and ``bench_scripts.txt`` (the table) to
-``--out-dir``. ``--smoke``: a tiny model for a few steps on the CPU (compile
+Writes ``bench_scripts.json`` and ``bench_scripts.txt`` (the table, and
+issue 25's acceptance checks: pgd >= 2.5x DDP, pgd+compile >= 2.5x
+DDP+compile, graphed evaluation >= 2x DDP's, bitwise equal to graphs=False;
+``--strict`` exits 1 unless all hold) to ``--out-dir``. ``--smoke``: a tiny model for a few steps on the CPU (compile
 with the eager backend), to test the harness.
 """
 
@@ -150,6 +152,27 @@ def summarize(results: list[dict], eval_batches: int) -> dict:
             "train": train, "eval": evals, "pgd_vs_graphs_false_bitwise": bitwise}
 
 
+# Issue 25's acceptance at the issue's shape: (what, numerator row, denominator row, at least).
+ACCEPTANCE = [("train: pgd x DDP", "pgd", "ddp", 2.5),
+              ("train: pgd+compile x DDP+compile", "pgd+compile", "ddp+compile", 2.5),
+              ("eval: pgd (graphed) x DDP (eager)", "pgd", "ddp", 2.0)]
+
+
+def acceptance(summary: dict) -> list[dict]:
+    """Each acceptance row: the measured ratio and whether it holds (None: a row is missing)."""
+    train = {r["mode"]: r.get("ms_per_iter") for r in summary["train"]}
+    evals = {e["mode"]: e["s_per_eval"] for e in summary["eval"]}
+    out = []
+    for what, fast, slow, need in ACCEPTANCE:
+        times = evals if what.startswith("eval") else train
+        ratio = times[slow] / times[fast] if times.get(slow) and times.get(fast) else None
+        out.append({"check": what, "ratio": ratio, "need": need, "ok": None if ratio is None else ratio >= need})
+    bitwise = summary["pgd_vs_graphs_false_bitwise"]
+    out.append({"check": "pgd bitwise equal to pgd_nographs (losses, evaluation)", "ratio": None, "need": None,
+                "ok": None if bitwise is None else bitwise["losses"] and bitwise["eval"]})
+    return out
+
+
 def _x(v) -> str:
     return f"{v:.2f}" if v is not None else "-"
 
@@ -185,6 +208,11 @@ def table(summary: dict, args: argparse.Namespace) -> str:
     if summary["pgd_vs_graphs_false_bitwise"] is not None:
         b = summary["pgd_vs_graphs_false_bitwise"]
         lines.append(f"# pgd vs pgd_nographs bitwise: losses {b['losses']}, evaluation {b['eval']}")
+    lines += ["", "# issue 25 acceptance (meaningful at the issue's shape on a GPU only)"]
+    for a in summary["acceptance"]:
+        verdict = {True: "PASS", False: "FAIL", None: "n/a"}[a["ok"]]
+        measured = f"{a['ratio']:.2f}x (need {a['need']}x)" if a["ratio"] is not None else ""
+        lines.append(f"{verdict:<5} {a['check']} {measured}".rstrip())
     return "\n".join(lines) + "\n"
 
 
@@ -198,6 +226,7 @@ def main(argv=None) -> int:
     p.add_argument("--evaluations", type=int, default=4, help="evaluations per run, the first untimed")
     p.add_argument("--timeout", type=float, default=900, help="seconds per mode")
     p.add_argument("--smoke", action="store_true", help="a tiny model for a few steps (CPU harness test)")
+    p.add_argument("--strict", action="store_true", help="exit 1 unless every acceptance check passes")
     args = p.parse_args(argv)
     if args.smoke:
         args.warmup, args.steps, args.eval_batches, args.evaluations = 3, 4, 4, 3
@@ -220,10 +249,14 @@ def main(argv=None) -> int:
     summary["config"] = {"shape": args.shape_args, "warmup": args.warmup, "steps": args.steps,
                          "eval_batches": args.eval_batches, "evaluations": args.evaluations, "modes": modes}
     (out / "bench_scripts.json").write_text(json.dumps(summary, indent=1))
+    summary["acceptance"] = acceptance(summary)
     text = table(summary, args)
     (out / "bench_scripts.txt").write_text(text)
     print(text)
-    return 1 if any("error" in r for r in results) else 0
+    failed = any("error" in r for r in results)
+    if args.strict:
+        failed = failed or not all(a["ok"] for a in summary["acceptance"])
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

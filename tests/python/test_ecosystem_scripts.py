@@ -234,9 +234,10 @@ def test_bench_scripts_smoke(tmp_path):
     assert all(row["ms_per_iter"] > 0 for row in result["train"])
     assert [row["mode"] for row in result["eval"]] == modes
     assert result["pgd_vs_graphs_false_bitwise"] == {"eval": True, "losses": True}
+    assert [a["ok"] is not None for a in result["acceptance"]] == [True] * 4
     assert all(row["s_per_eval"] > 0 for row in result["eval"])
     table = (tmp_path / "bench_scripts.txt").read_text()
-    assert "ms/it" in table and "pgd+compile" in table and "s/eval" in table
+    assert "ms/it" in table and "pgd+compile" in table and "s/eval" in table and "acceptance" in table
 
 
 # ------------------------------------------------------------------ GPU: graphed, bitwise
