@@ -248,8 +248,8 @@ def main(argv=None) -> int:
     summary = summarize(results, args.eval_batches)
     summary["config"] = {"shape": args.shape_args, "warmup": args.warmup, "steps": args.steps,
                          "eval_batches": args.eval_batches, "evaluations": args.evaluations, "modes": modes}
-    (out / "bench_scripts.json").write_text(json.dumps(summary, indent=1))
     summary["acceptance"] = acceptance(summary)
+    (out / "bench_scripts.json").write_text(json.dumps(summary, indent=1))
     text = table(summary, args)
     (out / "bench_scripts.txt").write_text(text)
     print(text)
