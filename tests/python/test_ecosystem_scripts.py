@@ -331,3 +331,31 @@ def test_script_graphed_equals_graphs_false_on_one_gpu(tmp_path, name):
     assert all(g["phase"] == "replay" for g in evals), text
     eval_replays = sum(g["replays"] for g in evals)
     assert eval_replays >= eval_calls - EVAL_NOT_REPLAYED * len(evals), (eval_replays, eval_calls, text)
+
+
+@pytest.mark.multigpu
+def test_gpt_evaluated_on_rank_0_only_on_two_gpus(tmp_path):
+    """The GPT script evaluates on rank 0 only (``if ... and master_process``), as
+    the scripts it is modelled on do: rank 0's evaluation graphs must be captured
+    and replayed without anything from rank 1 (no collective, no agreement), and
+    training on both ranks must stay bitwise equal to graphs=False."""
+    script, args, eval_calls = GPU_RUNS["gpt"]
+    graphed = run_script(script, args + ["--mode", "pgd"], tmp_path / "pgd", world_size=2, timeout=400, cuda=True)
+    eager = run_script(script, args + ["--mode", "pgd_nographs"], tmp_path / "eager", world_size=2, timeout=400,
+                       cuda=True)
+    for g, e in zip(graphed, eager):
+        assert g["losses"] == e["losses"], g["report_text"]
+        assert g["evals"] == e["evals"], g["report_text"]
+        assert (g["param_sum"], g["param_abs_sum"]) == (e["param_sum"], e["param_abs_sum"])
+    _assert_ranks_agree(graphed)
+    assert torch.equal(final_params(tmp_path / "pgd"), final_params(tmp_path / "eager"))
+    evals0 = [g for g in graphed[0]["report"]["graphs"] if is_eval_record(g)]
+    evals1 = [g for g in graphed[1]["report"]["graphs"] if is_eval_record(g)]
+    assert evals0 and sum(g["replays"] for g in evals0) >= eval_calls - EVAL_NOT_REPLAYED * len(evals0), \
+        graphed[0]["report_text"]
+    assert not evals1, graphed[1]["report_text"]  # rank 1 never evaluated
+    for r in graphed:
+        train = [g for g in r["report"]["graphs"] if not is_eval_record(g)]
+        # One micro-step per rank here (--grad-accum-steps 2 over 2 ranks): tier 1 or 2.
+        assert train[0]["tier"] in ("1", "2") and train[0]["phase"] == "replay", r["report_text"]
+        assert sum(g["recaptures"] for g in r["report"]["graphs"]) == 0, r["report_text"]
