@@ -30,8 +30,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 TESTS = HERE / "python"
 # Slowest CPU files first (the CI machine's durations), so no shard ends on a long one.
-LONGEST_FIRST = ["test_loops.py", "test_launch_env.py", "test_multihost.py", "test_cpu_training.py",
-                 "test_launch_and_tools.py", "test_faults_exit_stress.py", "test_segments.py",
+LONGEST_FIRST = ["test_loops.py", "test_ecosystem_scripts.py", "test_launch_env.py", "test_multihost.py",
+                 "test_cpu_training.py", "test_launch_and_tools.py", "test_faults_exit_stress.py", "test_segments.py",
                  "test_faults_native_watchdog.py", "test_compile.py", "test_nonfinite_resume.py"]
 NO_TESTS_COLLECTED = 5  # pytest's exit code when a file has no test of the marker
 
