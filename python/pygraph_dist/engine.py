@@ -181,6 +181,7 @@ class Engine:
         self.iteration = 0  # optimizer steps begun (model calls that start a step)
         self.require_sync = True  # False inside GraphedModule.no_sync()
         self.opt_state_version = 0
+        self.buffers_sync_due = False  # see run()
         self.baked_changes: dict[str, int] = {}  # invalidations per baked hyperparameter key
         self.closed = False
         self._entry: GraphEntry | None = None
@@ -239,6 +240,9 @@ class Engine:
             self._check_unfrozen()
         adopt_assigned_lrs(self.optimizer, self.opt_plan.lr_tensors)
         self._call_sync = self.accum.model_call(self.require_sync)
+        # DDP's require_forward_param_sync: the first no-grad call after a
+        # synchronised training forward broadcasts rank 0's buffers (evaluation.py).
+        self.buffers_sync_due = self._call_sync
         out = self._train_call(args, kwargs)
         self.accum.after_model_call()
         return out

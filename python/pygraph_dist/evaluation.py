@@ -19,10 +19,16 @@ The life of an evaluation graph, each a branch of :meth:`EvalGraphs.call`:
 * **eager**: the forward as written, with the reason in ``report()``.
 
 No decision here takes a collective: evaluation often runs on some ranks only
-(``if rank == 0: evaluate()``), and a forward without autograd issues none of
-pygraph_dist's collectives. A forward that issues collectives of its own is
-not captured (the graph-safe backend sees them while recording), so every rank
-keeps running it eagerly, alike. The signature includes ``model.training``,
+(``if rank == 0: evaluate()``). The one collective is DDP's: the first call
+without autograd after a synchronised training forward broadcasts rank 0's
+buffers (BatchNorm statistics), eagerly, before anything else -- DDP's
+``require_forward_param_sync``, so that every rank evaluates with rank 0's
+statistics, as under DDP. A model without buffers (or ``broadcast_buffers=
+False``, or one rank) issues nothing; a model with buffers evaluated on some
+ranks only must be called as ``model.module`` there, exactly as with DDP,
+whose wrapper would wait for the other ranks too. A forward that issues
+collectives of its own is not captured (the graph-safe backend sees them while
+recording), so every rank keeps running it eagerly, alike. The signature includes ``model.training``,
 whether inference mode is on, and the caller's autocast, so train- and
 eval-mode forwards of one shape get graphs of their own; switching between
 them captures nothing new. Bitwise equal to the eager forward: the graph runs
@@ -62,6 +68,11 @@ class EvalGraphs:
     def call(self, args: tuple, kwargs: dict):
         """The model call with grad disabled: warm-up, capture, replay or eager."""
         eng = self.engine
+        if eng.buffers_sync_due:
+            eng.buffers_sync_due = False
+            if eng.step.buffers:
+                with torch.no_grad(), eng.step.on_compute_stream():
+                    eng.step.broadcast_buffers()
         leaves, spec = pytree.tree_flatten((args, kwargs))
         entry = self._entry_for(args, kwargs, leaves, spec)
         if entry.policy.phase == Phase.REPLAY:

@@ -60,42 +60,55 @@ def _train_and_evaluate(model, opt, rank, dev, *, steps=12, every=4, evaluating=
     return evals
 
 
-def eval_vs_ddp(steps=12):
-    """CPU, 2 ranks: rank 0 alone evaluates between steps; training equals DDP.
+class NoBuffers(Net):
+    """Net without BatchNorm: nothing for DDP to broadcast in evaluation."""
 
-    DDP's own wrapper would broadcast buffers at its first no-grad forward after
-    training, which hangs when one rank evaluates: its users evaluate with
-    ``ddp.module`` there, as the reference does. pygraph_dist's wrapped model
-    issues no collective in evaluation, so it is called directly."""
+    def __init__(self):
+        super().__init__()
+        self.body[1] = nn.LayerNorm(32)
+
+
+def eval_vs_ddp(who="all", steps=12):
+    """CPU, 2 ranks, training with evaluations between steps, against DDP.
+
+    ``all``: every rank evaluates through the wrapper (BatchNorm): the first
+    no-grad call after training broadcasts rank 0's buffers, as DDP's wrapper
+    does, so evaluations match DDP's on every rank. ``rank0``: rank 0 alone
+    evaluates a model without buffers through the wrapper: nothing is
+    collective, nothing waits for rank 1."""
     pgd.init()
     rank = dist.get_rank()
     torch.manual_seed(0)
-    base = Net()
+    base = Net() if who == "all" else NoBuffers()
+    evaluating = (lambda r: True) if who == "all" else (lambda r: r == 0)
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     torch.manual_seed(1)
-    ref_evals = _train_and_evaluate(ref, ref_opt, rank, "cpu", steps=steps, evaluating=lambda r: r == 0,
-                                    evaluator=ref.module)
+    ref_evals = _train_and_evaluate(ref, ref_opt, rank, "cpu", steps=steps, evaluating=evaluating)
     model, opt = pgd.wrap(base, torch.optim.SGD(base.parameters(), lr=0.1, momentum=0.9))
     torch.manual_seed(1)
-    evals = _train_and_evaluate(model, opt, rank, "cpu", steps=steps, evaluating=lambda r: r == 0)
+    evals = _train_and_evaluate(model, opt, rank, "cpu", steps=steps, evaluating=evaluating)
     mine = flat_params(model.module)
+    bufs = torch.cat([b.float().reshape(-1) for b in model.module.buffers()] or [torch.zeros(1)])
+    ref_bufs = torch.cat([b.float().reshape(-1) for b in ref.module.buffers()] or [torch.zeros(1)])
     rep = pgd.report().models[-1]
     return {"diff": float((mine - flat_params(ref.module)).abs().max()), "ranks_agree": ranks_agree(mine, "cpu"),
+            "buffers_diff": float((bufs - ref_bufs).abs().max()),
             "evals": evals, "ref_evals": ref_evals, "eval_calls": rep.eval_calls,
             "report": str(pgd.report())}
 
 
-def test_evaluating_on_one_rank_trains_like_ddp(ranks):
-    results = ranks("test_evaluation:eval_vs_ddp", world_size=2, timeout=120)
+@pytest.mark.parametrize("who", ["all", "rank0"])
+def test_evaluation_matches_ddp_and_one_rank_may_evaluate_alone(ranks, who):
+    results = ranks("test_evaluation:eval_vs_ddp", world_size=2, timeout=120, kwargs={"who": who})
     for rank, r in enumerate(results):
-        assert r["diff"] < 1e-5 and r["ranks_agree"], r["report"]
-        assert r["eval_calls"] == (33 if rank == 0 else 0), r["report"]  # 3 evaluations x 11 calls
-    r0 = results[0]
-    assert len(r0["evals"]) == len(r0["ref_evals"]) == 12
-    for mine, ref in zip(r0["evals"], r0["ref_evals"]):
-        if isinstance(mine, list):
-            assert max(abs(a - b) for a, b in zip(mine, ref)) < 1e-4, (mine, ref)
+        assert r["diff"] < 1e-5 and r["ranks_agree"] and r["buffers_diff"] < 1e-5, r["report"]
+        evaluates = who == "all" or rank == 0
+        assert r["eval_calls"] == (33 if evaluates else 0), r["report"]  # 3 evaluations x 11 calls
+        assert len(r["evals"]) == len(r["ref_evals"]) == (12 if evaluates else 0)
+        for mine, ref in zip(r["evals"], r["ref_evals"]):
+            if isinstance(mine, list):
+                assert max(abs(a - b) for a, b in zip(mine, ref)) < 1e-4, (rank, mine, ref)
 
 
 def gpu_eval_graphs(steps=12):
