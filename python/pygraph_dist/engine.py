@@ -63,6 +63,7 @@ from .graph_cache import GraphCache, GraphEntry
 from .monitor import storage_ptr, watch_host_syncs
 from .optim import make_graph_aware, prepare_optimizer
 from .reducer import GradientReducer
+from .spans import timed
 from .split import SplitGraphs, output_tensors
 from .step import IterationStep, find_loss, map_outputs, release_side_stream
 from .watchdog import ReplayWatchdog
@@ -71,6 +72,7 @@ logger = logging.getLogger("pygraph_dist")
 
 Phase = C.Phase
 TORN_DOWN = "pygraph_dist was torn down (destroy_process_group or exit)"
+_flatten = timed("signature")(pytree.tree_flatten)  # spans.py: identity unless PYGRAPH_DIST_HOST_SPANS=1
 
 
 class Engine:
@@ -219,6 +221,7 @@ class Engine:
         return self.cache.entries
 
     # ============================================================ one iteration
+    @timed("model call")
     def run(self, args: tuple, kwargs: dict):
         """The wrapped model's call: one training iteration (or an evaluation)."""
         if self.compiled:  # compilations from here on are this model's
@@ -256,7 +259,7 @@ class Engine:
             # forward and backward graphed when this step's first call was (tier 2).
             self.loop.model_called(in_no_sync=not self.require_sync)
             if self._split_step is not None:
-                leaves, spec = pytree.tree_flatten((args, kwargs))
+                leaves, spec = _flatten((args, kwargs))
                 entry = self.cache.find(*self._signature(args, kwargs, leaves, spec), self._ambient())
                 out = self._split_forward(entry, leaves) if entry is not None else None
                 if out is not None:
@@ -265,7 +268,7 @@ class Engine:
         self.loop.model_called(in_no_sync=not self.require_sync)
         self.iteration += 1
         args, kwargs = self.cache.pad(args, kwargs)
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = _flatten((args, kwargs))
         entry = self._entry_for(*self._signature(args, kwargs, leaves, spec))
         if entry.policy.phase == Phase.REPLAY:
             drift = self.cache.drift(entry, self.reducer.params, self.optimizer,
@@ -307,6 +310,7 @@ class Engine:
     def _selecting(self, entry: GraphEntry) -> bool:
         return self.runner.selecting(entry, self.graphs_possible)
 
+    @timed("signature")
     def _ambient(self) -> tuple:
         """State outside the arguments that a graph bakes in: the caller's autocast."""
         kind = self.device.type
@@ -456,6 +460,7 @@ class Engine:
         self.loop.handed_out(loss, watch=probe)
         return out
 
+    @timed("hand-out")
     def _hand_out(self, result):
         """The outputs of an iteration the engine ran: fresh tensors, since the
         graph's own are overwritten by the next replay. The loss requires grad so
@@ -472,6 +477,7 @@ class Engine:
         self.loop.backward_finished()
 
     # ================================================= the optimizer's calls
+    @timed("step routing")
     def optimizer_step(self, closure=None):
         """``optimizer.step()`` of the wrapped optimizer."""
         self.accum.step()  # pending local sums reduced first; K learned at the first step
@@ -490,6 +496,7 @@ class Engine:
             self._finish_probe(self._entry, seen)
         return result
 
+    @timed("zero_grad routing")
     def optimizer_zero_grad(self, set_to_none: bool = True) -> None:
         self.accum.zero_grad()
         self.loop.zero_grad_called()

@@ -24,6 +24,7 @@ import torch
 
 from ._ext import C
 from .optim import hyperparams_drift
+from .spans import timed
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -129,11 +130,13 @@ class GraphCache:
         self._pool = None
 
     # ------------------------------------------------------------ lookup
+    @timed("signature")
     def pad(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self.pad_batch_to:
             return args, kwargs
         return pad_batch(args, kwargs, self.pad_batch_to, self.pad_value)
 
+    @timed("signature")
     def lookup(self, leaves: list, spec, extra: tuple = ()) -> tuple[GraphEntry, bool]:
         """The entry for this call's signature, and whether it is new. ``extra``:
         ambient state a graph bakes in besides the arguments (autocast)."""
@@ -150,6 +153,7 @@ class GraphCache:
         self.entries[key] = entry
         return entry, True
 
+    @timed("signature")
     def find(self, leaves: list, spec, extra: tuple = ()) -> GraphEntry | None:
         """The entry for this signature if there is one (nothing is created)."""
         try:
@@ -181,6 +185,7 @@ class GraphCache:
         self.events.append(Event(iteration, entry.description if entry is not None else "", what, detail))
 
     # ------------------------------------------------------------- drift
+    @timed("drift")
     def drift(self, entry: GraphEntry, params: list[torch.Tensor], optimizer, lr_tensors,
               state_version: int) -> str | None:
         """Why ``entry``'s graphs no longer describe this iteration, or None."""

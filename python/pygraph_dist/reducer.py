@@ -74,6 +74,7 @@ from torch.autograd import Variable
 
 from . import kernels
 from ._ext import C
+from .spans import timed
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -371,6 +372,7 @@ class GradientReducer:
         if self.on_finalize is not None:
             self.on_finalize()
 
+    @timed("grad views")
     def expose_grads(self) -> None:
         """Every trainable parameter's ``.grad`` becomes its bucket view. A frozen
         parameter's is left as it is, as DDP leaves it: None after zero_grad(),
