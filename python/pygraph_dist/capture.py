@@ -178,8 +178,7 @@ class GraphRunner:
         entry.n_collectives = len(fingerprint) if fingerprint is not None else -1
         entry.pool_bytes = max(0, pool_bytes)
         entry.drift.hyperparams = snapshot_hyperparams(self.optimizer)
-        entry.drift.param_ptrs = [p.data_ptr() for p in self.reducer.params]
-        entry.drift.requires_grad = [p.requires_grad for p in self.reducer.params]
+        entry.drift.params = self.reducer.param_state()
         entry.drift.state_version = state_version
         entry.policy.capture_succeeded()
         self.cache.captured_any = True

@@ -271,7 +271,7 @@ class Engine:
         leaves, spec = _flatten((args, kwargs))
         entry = self._entry_for(*self._signature(args, kwargs, leaves, spec))
         if entry.policy.phase == Phase.REPLAY:
-            drift = self.cache.drift(entry, self.reducer.params, self.optimizer,
+            drift = self.cache.drift(entry, self.reducer, self.optimizer,
                                      self.opt_plan.lr_tensors, self.opt_state_version)
             if drift:
                 self.cache.invalidate(entry, self.iteration, drift)
@@ -414,7 +414,7 @@ class Engine:
         if getattr(self.optimizer, "grad_scale", None) is not None or \
                 getattr(self.optimizer, "found_inf", None) is not None:
             return False  # a GradScaler hands this step its scale and inf flag: eager
-        drift = self.cache.drift(entry, self.reducer.params, self.optimizer,
+        drift = self.cache.drift(entry, self.reducer, self.optimizer,
                                  self.opt_plan.lr_tensors, self.opt_state_version)
         if drift:
             self.cache.invalidate(entry, self.iteration, drift)

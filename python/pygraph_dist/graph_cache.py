@@ -24,6 +24,7 @@ import torch
 
 from ._ext import C
 from .optim import hyperparams_drift
+from .reducer import decode_param_state
 from .spans import timed
 
 logger = logging.getLogger("pygraph_dist")
@@ -36,8 +37,7 @@ class DriftSnapshot:
     """What a graph baked in at capture, compared before every replay."""
 
     hyperparams: list = field(default_factory=list)
-    param_ptrs: list = field(default_factory=list)
-    requires_grad: list = field(default_factory=list)
+    params: Any = None  # GradientReducer.param_state(): data pointers and requires_grad
     state_version: int = 0
 
 
@@ -186,18 +186,23 @@ class GraphCache:
 
     # ------------------------------------------------------------- drift
     @timed("drift")
-    def drift(self, entry: GraphEntry, params: list[torch.Tensor], optimizer, lr_tensors,
+    def drift(self, entry: GraphEntry, reducer, optimizer, lr_tensors,
               state_version: int) -> str | None:
-        """Why ``entry``'s graphs no longer describe this iteration, or None."""
+        """Why ``entry``'s graphs no longer describe this iteration, or None.
+        ``reducer``: the model's GradientReducer (its parameters' state)."""
         if not entry.live:
             return "the graph was released"
         if entry.drift.state_version != state_version:
             return "the optimizer state was loaded (its tensors moved)"
-        if [p.data_ptr() for p in params] != entry.drift.param_ptrs:
-            return ("a parameter's storage was replaced (for example load_state_dict(assign=True) "
-                    "or p.data = ...)")
-        if [p.requires_grad for p in params] != entry.drift.requires_grad:
-            return "a parameter was frozen or unfrozen (requires_grad changed)"
+        state = reducer.param_state()  # one C++ pass over the parameters (csrc/param_watch.h)
+        if state != entry.drift.params:
+            ptrs, requires_grad = decode_param_state(state)
+            ptrs0, requires_grad0 = decode_param_state(entry.drift.params)
+            if ptrs != ptrs0:
+                return ("a parameter's storage was replaced (for example load_state_dict(assign=True) "
+                        "or p.data = ...)")
+            if requires_grad != requires_grad0:
+                return "a parameter was frozen or unfrozen (requires_grad changed)"
         return hyperparams_drift(optimizer, entry.drift.hyperparams, lr_tensors)
 
     def release(self, entry: GraphEntry) -> None:

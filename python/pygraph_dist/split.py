@@ -292,7 +292,6 @@ class SplitGraphs:
         if self.reducer._finalize_queued:  # noqa: SLF001
             raise OutsideGradientError(_OUTSIDE)
         entry = call.entry
-        params = self.reducer.params
         if entry.last_call is not call:
             from .conformance import LoopConformanceError
 
@@ -301,7 +300,7 @@ class SplitGraphs:
                 "inputs replayed the forward graph again (several forward passes into one loss), "
                 "so the saved activations are the later call's. Call backward() after each model "
                 "call, or wrap(..., graphs=False).")
-        fresh = call.sync and all(p.grad is None for p in params)
+        fresh = call.sync and self.reducer.all_grads_none()
         with torch.no_grad():
             if not fresh:
                 self.attach_grads()
