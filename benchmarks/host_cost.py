@@ -297,7 +297,7 @@ def gpu_ops(mode: Mode, n: int = 5) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # as profile_replay.py
         for i in range(n):
             mode.step(*mode.batches[i % len(mode.batches)])
         torch.cuda.synchronize(mode.dev)
