@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, child_env
 
 # Runs in a child: a 1-rank process group, a wrapped CPU model (graphs=False),
@@ -106,3 +108,61 @@ def test_param_checks_keep_their_meaning():
     check(out["python"])
     if out["native"]:  # an extension built with csrc/param_watch.cpp
         check(out["native"])
+
+
+def replace_storage(graphs: int = 1, outside: int = 0, steps: int = 24) -> dict:
+    """A weight's storage replaced at step 10 (``p.data = p.data.clone()``, same
+    values): the graphs read the old storage, so they must be captured again."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn import functional as F
+
+    import pygraph_dist as pgd
+    from common import data, device, flat_params
+
+    pgd.init()
+    rank, dev = dist.get_rank(), device()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)).to(dev)
+
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.net(x), y)
+
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
+    model, opt = pgd.wrap(net if outside else WithLoss(), opt, graphs=bool(graphs), warmup=1)
+    for step in range(steps):
+        if step == 10:
+            net[0].weight.data = net[0].weight.data.clone()
+        x, y = data(step, rank, batch=8, width=16, classes=4, device=dev)
+        opt.zero_grad(set_to_none=True)
+        (F.cross_entropy(model(x), y) if outside else model(x, y)).backward()
+        opt.step()
+    r = pgd.report().models[-1]
+    out = {"params": flat_params(net).tolist(), "report": str(pgd.report()), "replays": r.replays,
+           "events": [e["event"] + ": " + e["detail"] for e in r.events], "tiers": [g.tier for g in r.graphs]}
+    return out
+
+
+def replace_graphed_vs_eager(outside: int = 0) -> dict:
+    graphed = replace_storage(graphs=1, outside=outside)
+    eager = replace_storage(graphs=0, outside=outside)
+    return {**graphed, "bitwise": graphed["params"] == eager["params"]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("outside", [0, 1])  # tier 1 (loss inside), tier 2 (loss outside)
+def test_a_replaced_parameter_storage_recaptures_on_gpu(ranks, outside):
+    (r,) = ranks("test_param_watch:replace_graphed_vs_eager", world_size=1, timeout=300,
+                 kwargs={"outside": outside})
+    assert r["tiers"][:1] == [str(1 + outside)], r["report"]
+    replaced = [e for e in r["events"] if "storage was replaced" in e]
+    assert len(replaced) == 1, r["events"]  # invalidated once, then captured again
+    assert sum(e.startswith("captured:") for e in r["events"]) == 2, r["events"]
+    assert r["replays"] >= 10, r["report"]
+    assert r["bitwise"], r["report"]  # the new storage trained exactly as eagerly
