@@ -6,10 +6,15 @@ tier 2's backward also asks whether every ``.grad`` is None. This times each
 check, per call, at the parameter counts of benchmarks/host_cost.py, three ways:
 
   loops     the Python loops the engine ran before (graph_cache.drift's two list
-            comprehensions, reducer.expose_grads' loop, all(p.grad is None ...))
+            comprehensions, reducer.expose_grads' loop, all(p.grad is None ...),
+            SplitGraphs.attach_grads' two list comprehensions)
   fallback  today's code without the C++ ParamWatch (reducer.watch = None)
   native    today's code with it (csrc/param_watch.h): "-" where the installed
             extension was built without it
+
+Checks: drift (storage/requires_grad), expose (.grad views after a replay), none
+(every .grad None? after zero_grad), attach (tier 2 before an accumulating
+backward, every .grad already its view).
 
 Columns: params = parameter tensors; each other column = us per call, the
 minimum over --repeat timeit runs of --number calls (timeit's advice: the
@@ -24,11 +29,13 @@ import argparse
 import json
 import sys
 import timeit
+from types import SimpleNamespace
 
 import torch
 
 import pygraph_dist as pgd
 from pygraph_dist.reducer import GradientReducer
+from pygraph_dist.split import SplitGraphs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from host_cost import build_net  # noqa: E402
@@ -47,6 +54,7 @@ def measure(layers: int, number: int, repeat: int) -> dict:
     for p, v in zip(params, views):
         p.grad = v  # as after a replay: every .grad is its view already (the common case)
     ptrs, rg = [p.data_ptr() for p in params], [p.requires_grad for p in params]
+    split = SplitGraphs(SimpleNamespace(reducer=reducer), lambda: None)
 
     def loops_drift():
         return [p.data_ptr() for p in params] != ptrs or [p.requires_grad for p in params] != rg
@@ -59,13 +67,18 @@ def measure(layers: int, number: int, repeat: int) -> dict:
     def loops_none():
         return all(p.grad is None for p in params)
 
+    def loops_attach():
+        trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        return [i for i in trainable if params[i].grad is not views[i]]
+
     def grads_none():  # the "none" check runs after zero_grad(set_to_none=True): a full pass
         for p in params:
             p.grad = None
 
     row = {"layers": layers, "params": len(params),
            "drift_loops": per_call_us(loops_drift, number, repeat),
-           "expose_loops": per_call_us(loops_expose, number, repeat)}
+           "expose_loops": per_call_us(loops_expose, number, repeat),
+           "attach_loops": per_call_us(loops_attach, number, repeat)}
     grads_none()
     row["none_loops"] = per_call_us(loops_none, number, repeat)
     for impl, watch in (("fallback", None), ("native", native)):
@@ -76,6 +89,7 @@ def measure(layers: int, number: int, repeat: int) -> dict:
         reducer.expose_grads()
         row[f"drift_{impl}"] = per_call_us(lambda: reducer.param_state() != snap, number, repeat)
         row[f"expose_{impl}"] = per_call_us(reducer.expose_grads, number, repeat)
+        row[f"attach_{impl}"] = per_call_us(split.attach_grads, number, repeat)
         grads_none()
         row[f"none_{impl}"] = per_call_us(reducer.all_grads_none, number, repeat)
     reducer.watch = native
@@ -93,10 +107,11 @@ def main(argv=None) -> int:
     pgd.init()
     rows = [measure(int(n), args.number, args.repeat) for n in args.layers.split(",") if n]
     fmt = lambda r, k: f"{r[k]:>9.2f}" if k in r else f"{'-':>9}"  # noqa: E731
-    checks = ("drift", "expose", "none")
+    checks = ("drift", "expose", "none", "attach")
     head = f"{'params':>6} " + " ".join(f"{c + '_' + i:>9}" for c in checks for i in ("py", "fb", "C"))
     print(f"us per call (min of {args.repeat} x {args.number}); torch {torch.__version__}; "
-          f"drift = storage/requires_grad check, expose = .grad views, none = all .grad None; "
+          f"drift = storage/requires_grad check, expose = .grad views, none = all .grad None, "
+          f"attach = tier 2's .grad views check; "
           f"_py = the loops before, _fb = fallback, _C = native")
     print(head)
     for r in rows:

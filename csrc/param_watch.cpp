@@ -59,6 +59,17 @@ bool ParamWatch::all_grads_none() const {
   return true;
 }
 
+std::vector<int64_t> ParamWatch::not_views() const {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    // As Python's `p.requires_grad and p.grad is not view` (None is not None: equal).
+    if (params_[i].requires_grad() && !params_[i].grad().is_same(views_[i])) {
+      out.push_back(static_cast<int64_t>(i));
+    }
+  }
+  return out;
+}
+
 void bind_param_watch(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<ParamWatch, std::shared_ptr<ParamWatch>>(
@@ -71,6 +82,8 @@ void bind_param_watch(pybind11::module_& m) {
       .def("expose_grads", &ParamWatch::expose_grads,
            "Every trainable parameter's .grad becomes its bucket view; returns how many changed.")
       .def("all_grads_none", &ParamWatch::all_grads_none, "Whether no parameter has a .grad.")
+      .def("not_views", &ParamWatch::not_views,
+           "Indices of the trainable parameters whose .grad is not their bucket view.")
       .def("__len__", &ParamWatch::size);
 }
 

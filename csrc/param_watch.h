@@ -31,6 +31,9 @@ class ParamWatch {
   int64_t expose_grads() const;
   // Whether no parameter has a .grad.
   bool all_grads_none() const;
+  // Indices of the trainable parameters whose .grad is not their bucket view
+  // (empty in the steady state of a tier-2 accumulation).
+  std::vector<int64_t> not_views() const;
   size_t size() const { return params_.size(); }
 
  private:

@@ -128,8 +128,14 @@ class SplitGraphs:
         None is zero (what accumulating into a fresh gradient computes), one
         the user replaced is copied into the view."""
         params, views = self.reducer.params, self.reducer.views
+        watch = self.reducer.watch
+        if watch is not None:  # one C++ pass (csrc/param_watch.h): nothing to do, usually
+            missing = watch.not_views()
+            if not missing:
+                return
         trainable = [i for i, p in enumerate(params) if p.requires_grad]  # frozen: .grad left alone
-        missing = [i for i in trainable if params[i].grad is not views[i]]
+        if watch is None:
+            missing = [i for i in trainable if params[i].grad is not views[i]]
         if not missing:
             return
         if len(missing) == len(trainable):

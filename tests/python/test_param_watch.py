@@ -77,6 +77,17 @@ for impl in (["native"] if out["native"] else []) + ["python"]:
     params[3].grad = torch.zeros_like(params[3])
     red.expose_grads()
     res["views_again"] = [p.grad is v for p, v in zip(params, red.views)]
+    # attach_grads (tier 2, before a backward that accumulates): a None .grad becomes its
+    # zeroed view, a replaced one is copied into its view; nothing moves when all are views.
+    with torch.no_grad():
+        red.views[1].fill_(5.0)
+        params[1].grad = None
+        params[2].grad = torch.full_like(params[2], 3.0)
+        eng.split.attach_grads()
+        eng.split.attach_grads()
+    res["attached"] = [p.grad is v for p, v in zip(params, red.views)]
+    res["attached_values"] = [float(params[1].grad.abs().max()), float(params[2].grad.min()),
+                              float(params[2].grad.max())]
     out[impl] = res
     eng.teardown()
 print(json.dumps(out))
@@ -101,6 +112,8 @@ def check(res: dict) -> None:
     assert res["none_before"] and not res["none_after"]
     assert res["views"] == [False, True, True, True] and res["frozen_grad_none"]
     assert res["views_again"] == [True, True, True, True]
+    assert res["attached"] == [True, True, True, True]
+    assert res["attached_values"] == [0.0, 3.0, 3.0]
 
 
 def test_param_checks_keep_their_meaning():
