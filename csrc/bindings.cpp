@@ -9,6 +9,7 @@
 #include "capture_policy.h"
 #include "graph_safe_backend.h"
 #include "iteration_stats.h"
+#include "param_watch.h"
 #include "replay_watchdog.h"
 #include "terminate_report.h"
 
@@ -345,5 +346,6 @@ PYBIND11_MODULE(_C, m) {
   bind_core(m);
   bind_backend(m);
   bind_watchdog(m);
+  bind_param_watch(m);
   install_terminate_report();
 }

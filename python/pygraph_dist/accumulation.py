@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from .agreement import agreed_max
 from .monitor import exit_if_on_top, remove_from_under_own_modes, user_location
+from .spans import timed
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -61,6 +62,7 @@ class _ReadGuard(TorchFunctionMode):
         self.armed = False  # a backward ran since the window opened
         self.in_backward = False
 
+    @timed("accumulation")  # includes the op itself
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _BACKWARDS:
@@ -97,6 +99,7 @@ class LearnedAccumulation:
         self._guard: _ReadGuard | None = None
 
     # ------------------------------------------------------------ the loop
+    @timed("accumulation")
     def model_call(self, explicit_sync: bool) -> bool:
         """A training call of the model: whether its backward reduces."""
         self._close_window(at_model_call=True)
@@ -114,16 +117,19 @@ class LearnedAccumulation:
         self.pending = False  # this call's backward reduces the accumulated sum
         return True
 
+    @timed("accumulation")
     def after_model_call(self) -> None:
         """The call returned: watch reads while sums are pending (or to learn)."""
         if self.pending or not self.decided:
             self._open_window()
 
+    @timed("accumulation")
     def zero_grad(self) -> None:
         """The user dropped the gradients: nothing is pending any more."""
         self._close_window(at_model_call=False)
         self.pending = False
 
+    @timed("accumulation")
     def step(self) -> None:
         """``optimizer.step()``, before it steps: reduce what is pending, learn K."""
         self._close_window(at_model_call=False)

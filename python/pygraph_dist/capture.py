@@ -38,6 +38,7 @@ from ._ext import C, NOT_CAPTURABLE_TAG
 from .graph_cache import GraphCache, GraphEntry, discard
 from .optim import snapshot_hyperparams
 from .reducer import BucketCaptureError, GradientReducer
+from .spans import timed
 from .step import IterationStep
 
 logger = logging.getLogger("pygraph_dist")
@@ -177,8 +178,7 @@ class GraphRunner:
         entry.n_collectives = len(fingerprint) if fingerprint is not None else -1
         entry.pool_bytes = max(0, pool_bytes)
         entry.drift.hyperparams = snapshot_hyperparams(self.optimizer)
-        entry.drift.param_ptrs = [p.data_ptr() for p in self.reducer.params]
-        entry.drift.requires_grad = [p.requires_grad for p in self.reducer.params]
+        entry.drift.params = self.reducer.param_state()
         entry.drift.state_version = state_version
         entry.policy.capture_succeeded()
         self.cache.captured_any = True
@@ -272,9 +272,7 @@ class GraphRunner:
 
     def replay(self, entry: GraphEntry, leaves: list, *, iteration: int):
         """``leaves``: the call's flattened (args, kwargs), in the order of entry.static_leaves."""
-        for static, leaf in zip(entry.static_leaves, leaves):
-            if isinstance(leaf, torch.Tensor) and leaf is not static:
-                static.copy_(leaf, non_blocking=True)
+        copy_inputs(entry.static_leaves, leaves)
         self.reducer.expose_grads()  # the user set them to None; the graph writes the views
         label = f"[{entry.description}] at iteration {iteration}"
         self.launch(entry, label)
@@ -325,6 +323,15 @@ class GraphRunner:
         self.cache.event(entry, iteration, "not selected", entry.policy.reason)
         if self.rank == 0:
             logger.info("graph for [%s] dropped: %s", entry.description, entry.policy.reason)
+
+
+@timed("input copies")
+def copy_inputs(static_leaves: list, leaves: list) -> None:
+    """The call's tensors into the graph's static inputs (a tensor that is
+    already the static buffer, as ``GraphedModule.static_inputs()`` hands out, is not copied)."""
+    for static, leaf in zip(static_leaves, leaves):
+        if isinstance(leaf, torch.Tensor) and leaf is not static:
+            static.copy_(leaf, non_blocking=True)
 
 
 def varying_paths(unused_seen: set) -> str:

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from .monitor import LoopMonitor, Violation, user_location
+from .spans import timed
 
 
 class LoopConformanceError(RuntimeError):
@@ -114,6 +115,7 @@ class LoopState:
         return self.monitor.stop() if self.monitor is not None else []
 
     # ------------------------------------------------------- transitions
+    @timed("loop state")
     def model_called(self, *, in_no_sync: bool = False) -> None:
         """Before a training call of the model: in a graphed loop, a step must
         have ended the last one, outside ``no_sync()``."""
@@ -146,6 +148,7 @@ class LoopState:
                 split_ok=True,
             )
 
+    @timed("loop state")
     def user_forward(self, *, probe: bool, grads_present: bool) -> None:
         """The loop runs as written this iteration."""
         # Checked at the backward, not here: zero_grad() between the model call and
@@ -153,6 +156,7 @@ class LoopState:
         self.zero_check_pending = probe and not self.zeroed_since_step and grads_present
         self.mode = Mode.USER
 
+    @timed("loop state")
     def handed_out(self, loss: torch.Tensor | None, *, watch: bool = True) -> None:
         """The model call returned; ``loss`` is the loss among its outputs, or None."""
         self.returned_loss = loss
@@ -161,6 +165,7 @@ class LoopState:
         if watch:
             self.watch(AFTER_CALL)
 
+    @timed("loop state")
     def backward_called(self, target, kwargs: dict) -> bool:
         """A ``backward()`` in the user's window; returns whether it should run."""
         self.backward_seen = True
@@ -228,11 +233,13 @@ class LoopState:
             stack.extend(n for n, _ in fn.next_functions)
         return False
 
+    @timed("loop state")
     def backward_finished(self) -> None:
         """End of an autograd backward that reduced gradients (the user's)."""
         if self.mode is Mode.USER:
             self.stage = Stage.BACKWARD
 
+    @timed("loop state")
     def step_called(self, closure, *, probe: bool) -> list[Violation]:
         """``optimizer.step()``: check it, close the window and return what the probe saw."""
         if closure is not None:
@@ -256,6 +263,7 @@ class LoopState:
         self.output_nodes = set()
         return seen
 
+    @timed("loop state")
     def zero_grad_called(self) -> None:
         if self.stage is Stage.BACKWARD:
             self.violation("zero_grad() between loss.backward() and optimizer.step() discards the "

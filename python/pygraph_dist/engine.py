@@ -65,6 +65,7 @@ from .graph_cache import GraphCache, GraphEntry
 from .monitor import storage_ptr, watch_host_syncs
 from .optim import adopt_assigned_lrs, make_graph_aware, prepare_optimizer
 from .reducer import GradientReducer
+from .spans import timed
 from .split import SplitGraphs, output_tensors
 from .step import IterationStep, find_loss, map_outputs, release_side_stream
 from .watchdog import ReplayWatchdog
@@ -74,6 +75,7 @@ logger = logging.getLogger("pygraph_dist")
 Phase = C.Phase
 _BAKED = re.compile(r"param group (\d+): '([^']+)'")  # optim.hyperparams_drift's reasons
 TORN_DOWN = "pygraph_dist was torn down (destroy_process_group or exit)"
+_flatten = timed("signature")(pytree.tree_flatten)  # spans.py: identity unless PYGRAPH_DIST_HOST_SPANS=1
 
 
 class Engine:
@@ -225,6 +227,7 @@ class Engine:
         return self.cache.entries
 
     # ============================================================ one iteration
+    @timed("model call")
     def run(self, args: tuple, kwargs: dict):
         """The wrapped model's call: one training iteration (or an evaluation)."""
         if self.compiled:  # compilations from here on are this model's
@@ -269,7 +272,7 @@ class Engine:
             # forward and backward graphed when this step's first call was (tier 2).
             self.loop.model_called(in_no_sync=not self.require_sync)
             if self._split_step is not None:
-                leaves, spec = pytree.tree_flatten((args, kwargs))
+                leaves, spec = _flatten((args, kwargs))
                 entry = self.cache.find(*self._signature(args, kwargs, leaves, spec), self._ambient())
                 out = self._split_forward(entry, leaves) if entry is not None else None
                 if out is not None:
@@ -278,10 +281,10 @@ class Engine:
         self.loop.model_called(in_no_sync=not self.require_sync)
         self.iteration += 1
         args, kwargs = self.cache.pad(args, kwargs)
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = _flatten((args, kwargs))
         entry = self._entry_for(*self._signature(args, kwargs, leaves, spec))
         if entry.policy.phase == Phase.REPLAY:
-            drift = self.cache.drift(entry, self.reducer.params, self.optimizer,
+            drift = self.cache.drift(entry, self.reducer, self.optimizer,
                                      self.opt_plan.lr_tensors, self.opt_state_version)
             if drift:
                 self._invalidate(entry, drift)
@@ -339,6 +342,7 @@ class Engine:
     def _selecting(self, entry: GraphEntry) -> bool:
         return self.runner.selecting(entry, self.graphs_possible)
 
+    @timed("signature")
     def _ambient(self) -> tuple:
         """State outside the arguments that a graph bakes in: the caller's autocast."""
         kind = self.device.type
@@ -442,7 +446,7 @@ class Engine:
         if getattr(self.optimizer, "grad_scale", None) is not None or \
                 getattr(self.optimizer, "found_inf", None) is not None:
             return False  # a GradScaler hands this step its scale and inf flag: eager
-        drift = self.cache.drift(entry, self.reducer.params, self.optimizer,
+        drift = self.cache.drift(entry, self.reducer, self.optimizer,
                                  self.opt_plan.lr_tensors, self.opt_state_version)
         if drift:
             self._invalidate(entry, drift)
@@ -488,6 +492,7 @@ class Engine:
         self.loop.handed_out(loss, watch=probe)
         return out
 
+    @timed("hand-out")
     def _hand_out(self, result):
         """The outputs of an iteration the engine ran: fresh tensors, since the
         graph's own are overwritten by the next replay. The loss requires grad so
@@ -504,6 +509,7 @@ class Engine:
         self.loop.backward_finished()
 
     # ================================================= the optimizer's calls
+    @timed("step routing")
     def optimizer_step(self, closure=None):
         """``optimizer.step()`` of the wrapped optimizer."""
         adopt_assigned_lrs(self.optimizer, self.opt_plan.lr_tensors)
@@ -523,6 +529,7 @@ class Engine:
             self._finish_probe(self._entry, seen)
         return result
 
+    @timed("zero_grad routing")
     def optimizer_zero_grad(self, set_to_none: bool = True) -> None:
         self.accum.zero_grad()
         self.loop.zero_grad_called()

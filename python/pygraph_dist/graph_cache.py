@@ -24,6 +24,8 @@ import torch
 
 from ._ext import C
 from .optim import hyperparams_drift
+from .reducer import decode_param_state
+from .spans import timed
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -35,8 +37,7 @@ class DriftSnapshot:
     """What a graph baked in at capture, compared before every replay."""
 
     hyperparams: list = field(default_factory=list)
-    param_ptrs: list = field(default_factory=list)
-    requires_grad: list = field(default_factory=list)
+    params: Any = None  # GradientReducer.param_state(): data pointers and requires_grad
     state_version: int = 0
 
 
@@ -129,11 +130,13 @@ class GraphCache:
         self._pool = None
 
     # ------------------------------------------------------------ lookup
+    @timed("signature")
     def pad(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self.pad_batch_to:
             return args, kwargs
         return pad_batch(args, kwargs, self.pad_batch_to, self.pad_value)
 
+    @timed("signature")
     def lookup(self, leaves: list, spec, extra: tuple = ()) -> tuple[GraphEntry, bool]:
         """The entry for this call's signature, and whether it is new. ``extra``:
         ambient state a graph bakes in besides the arguments (autocast)."""
@@ -150,6 +153,7 @@ class GraphCache:
         self.entries[key] = entry
         return entry, True
 
+    @timed("signature")
     def find(self, leaves: list, spec, extra: tuple = ()) -> GraphEntry | None:
         """The entry for this signature if there is one (nothing is created)."""
         try:
@@ -181,18 +185,24 @@ class GraphCache:
         self.events.append(Event(iteration, entry.description if entry is not None else "", what, detail))
 
     # ------------------------------------------------------------- drift
-    def drift(self, entry: GraphEntry, params: list[torch.Tensor], optimizer, lr_tensors,
+    @timed("drift")
+    def drift(self, entry: GraphEntry, reducer, optimizer, lr_tensors,
               state_version: int) -> str | None:
-        """Why ``entry``'s graphs no longer describe this iteration, or None."""
+        """Why ``entry``'s graphs no longer describe this iteration, or None.
+        ``reducer``: the model's GradientReducer (its parameters' state)."""
         if not entry.live:
             return "the graph was released"
         if entry.drift.state_version != state_version:
             return "the optimizer state was loaded (its tensors moved)"
-        if [p.data_ptr() for p in params] != entry.drift.param_ptrs:
-            return ("a parameter's storage was replaced (for example load_state_dict(assign=True) "
-                    "or p.data = ...)")
-        if [p.requires_grad for p in params] != entry.drift.requires_grad:
-            return "a parameter was frozen or unfrozen (requires_grad changed)"
+        state = reducer.param_state()  # one C++ pass over the parameters (csrc/param_watch.h)
+        if state != entry.drift.params:
+            ptrs, requires_grad = decode_param_state(state)
+            ptrs0, requires_grad0 = decode_param_state(entry.drift.params)
+            if ptrs != ptrs0:
+                return ("a parameter's storage was replaced (for example load_state_dict(assign=True) "
+                        "or p.data = ...)")
+            if requires_grad != requires_grad0:
+                return "a parameter was frozen or unfrozen (requires_grad changed)"
         return hyperparams_drift(optimizer, entry.drift.hyperparams, lr_tensors)
 
     def release(self, entry: GraphEntry) -> None:

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .spans import timed
+
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -135,6 +137,7 @@ class LoopMonitor(TorchFunctionMode):
         self._owned: set[int] | None = None
 
     # -------------------------------------------------------------- control
+    @timed("monitor")
     def start(self, window: str) -> None:
         self.window = window
         self._owned = None
@@ -145,6 +148,7 @@ class LoopMonitor(TorchFunctionMode):
     def set_window(self, window: str) -> None:
         self.window = window
 
+    @timed("monitor")
     def stop(self) -> list[Violation]:
         """Pop the mode (if it is on top) and hand back what was seen."""
         if self.active:
@@ -178,6 +182,7 @@ class LoopMonitor(TorchFunctionMode):
         self.violations.append(Violation(what, user_location(), fix, split_ok))
 
     # ---------------------------------------------------------------- mode
+    @timed("monitor")  # includes the op itself where the monitor lets it run
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not self.active:

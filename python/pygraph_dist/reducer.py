@@ -66,7 +66,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import struct
 from collections.abc import Collection, Sequence
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -74,6 +76,7 @@ from torch.autograd import Variable
 
 from . import kernels
 from ._ext import C
+from .spans import timed
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -213,6 +216,11 @@ class GradientReducer:
         ]
         self.unused_warned: set[str] = set()
         self._newly_unused: list[str] = []
+        # The per-step checks over every parameter (drift, .grad views) as one
+        # C++ loop each (csrc/param_watch.h): a Python loop costs ~0.1 us per
+        # parameter and check. None with an extension built before it.
+        watch = getattr(C, "ParamWatch", None)
+        self.watch = watch(self.params, self.views) if watch is not None else None
 
     # ---------------------------------------------------------------- state
     def _reset_round(self) -> None:
@@ -371,13 +379,31 @@ class GradientReducer:
         if self.on_finalize is not None:
             self.on_finalize()
 
+    @timed("grad views")
     def expose_grads(self) -> None:
         """Every trainable parameter's ``.grad`` becomes its bucket view. A frozen
         parameter's is left as it is, as DDP leaves it: None after zero_grad(),
         so the optimizer skips it."""
+        if self.watch is not None:
+            self.watch.expose_grads()
+            return
         for p, view in zip(self.params, self.views):
             if view is not None and p.requires_grad and p.grad is not view:
                 p.grad = view
+
+    def all_grads_none(self) -> bool:
+        """Whether no parameter has a ``.grad`` (after ``zero_grad(set_to_none=True)``)."""
+        if self.watch is not None:
+            return self.watch.all_grads_none()
+        return all(p.grad is None for p in self.params)
+
+    def param_state(self) -> ParamState:
+        """Every parameter's data pointer and requires_grad, in a form that
+        compares with ``==`` (graph_cache.drift: taken at capture, compared
+        before every replay); :func:`decode_param_state` reads it."""
+        if self.watch is not None:
+            return self.watch.state()
+        return [p.data_ptr() for p in self.params], [p.requires_grad for p in self.params]
 
     def reduce_eager(self, buckets: Sequence[int], sparse_grads: dict[int, torch.Tensor] | None = None) -> None:
         """All-reduce eager buckets now, in order, on the current stream.
@@ -471,6 +497,20 @@ class GradientReducer:
         tail = self.take_tail()
         if tail is not None:
             tail[1].wait()
+
+
+# bytes from ParamWatch.state() (9 bytes a parameter: data pointer, requires_grad),
+# or the Python fallback's (data pointers, requires_grad) lists.
+ParamState = Union[bytes, tuple]
+_PARAM_STATE = struct.Struct("=Q?")  # as csrc/param_watch.cpp packs it (native byte order)
+
+
+def decode_param_state(state: ParamState) -> tuple[list[int], list[bool]]:
+    """(data pointers, requires_grad) of a :meth:`GradientReducer.param_state`."""
+    if isinstance(state, bytes):
+        pairs = list(_PARAM_STATE.iter_unpack(state))
+        return [p for p, _ in pairs], [bool(r) for _, r in pairs]
+    return list(state[0]), list(state[1])
 
 
 class _CastBack:

@@ -49,8 +49,9 @@ import torch.utils._pytree as pytree
 from torch.autograd import Variable
 
 from . import agreement
-from .capture import _bucket_error, describe_capture_error, varying_paths
+from .capture import _bucket_error, copy_inputs, describe_capture_error, varying_paths
 from .graph_cache import GraphEntry, discard
+from .spans import timed
 from .step import map_outputs
 
 logger = logging.getLogger("pygraph_dist")
@@ -73,6 +74,7 @@ class _GraphedCall(torch.autograd.Function):
     record the node; it never receives a gradient."""
 
     @staticmethod
+    @timed("autograd.Function")
     def forward(ctx, call, dummy):  # noqa: ARG004 - dummy only connects the node
         ctx.call = call
         outs = tuple(t.detach().clone() for t in call.entry.static_outs)
@@ -82,6 +84,7 @@ class _GraphedCall(torch.autograd.Function):
         return outs
 
     @staticmethod
+    @timed("autograd.Function")
     def backward(ctx, *grads):
         ctx.call.backward(grads)
         return None, None
@@ -119,13 +122,20 @@ class SplitGraphs:
         return self.runner.reducer
 
     # ------------------------------------------------------------ gradients
+    @timed("grad views")
     def attach_grads(self) -> None:
         """Every gradient becomes its bucket view again; a gradient that was
         None is zero (what accumulating into a fresh gradient computes), one
         the user replaced is copied into the view."""
         params, views = self.reducer.params, self.reducer.views
+        watch = self.reducer.watch
+        if watch is not None:  # one C++ pass (csrc/param_watch.h): nothing to do, usually
+            missing = watch.not_views()
+            if not missing:
+                return
         trainable = [i for i, p in enumerate(params) if p.requires_grad]  # frozen: .grad left alone
-        missing = [i for i in trainable if params[i].grad is not views[i]]
+        if watch is None:
+            missing = [i for i in trainable if params[i].grad is not views[i]]
         if not missing:
             return
         if len(missing) == len(trainable):
@@ -268,12 +278,11 @@ class SplitGraphs:
         return True
 
     # --------------------------------------------------------------- replay
+    @timed("tier-2 forward")
     def forward(self, entry: GraphEntry, leaves: list, *, sync: bool, label: str):
         """Replay the forward graph for this call; the module's outputs, as fresh
         tensors whose backward replays the backward graph."""
-        for static, leaf in zip(entry.static_leaves, leaves):
-            if isinstance(leaf, torch.Tensor) and leaf is not static:
-                static.copy_(leaf, non_blocking=True)
+        copy_inputs(entry.static_leaves, leaves)
         self.reducer.enabled = sync
         self.graph_round = False  # a backward that raised never reached its callback
         self.reducer.outside_grad_error = None
@@ -289,7 +298,6 @@ class SplitGraphs:
         if self.reducer._finalize_queued:  # noqa: SLF001
             raise OutsideGradientError(_OUTSIDE)
         entry = call.entry
-        params = self.reducer.params
         if entry.last_call is not call:
             from .conformance import LoopConformanceError
 
@@ -298,7 +306,7 @@ class SplitGraphs:
                 "inputs replayed the forward graph again (several forward passes into one loss), "
                 "so the saved activations are the later call's. Call backward() after each model "
                 "call, or wrap(..., graphs=False).")
-        fresh = call.sync and all(p.grad is None for p in params)
+        fresh = call.sync and self.reducer.all_grads_none()
         with torch.no_grad():
             if not fresh:
                 self.attach_grads()
@@ -315,6 +323,7 @@ class SplitGraphs:
             self.reducer.outside_grad_error = _OUTSIDE
             Variable._execution_engine.queue_callback(lambda: self._backward_done(call))
 
+    @timed("autograd.Function")
     def _backward_done(self, call: _Call) -> None:
         """End of the user's backward: the caller's stream after the graphs."""
         self.graph_round = False

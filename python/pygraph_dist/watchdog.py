@@ -42,6 +42,7 @@ from typing import Iterable
 import torch
 
 from ._ext import C
+from .spans import timed
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -122,6 +123,7 @@ class ReplayWatchdog:
         return self.timeout_s > 0
 
     # ------------------------------------------------------------ the engine's calls
+    @timed("launch")
     def replay(self, graphs: Iterable[torch.cuda.CUDAGraph], label: str = "") -> None:
         """Launch ``graphs`` in order on the current stream, without the GIL.
 
@@ -138,6 +140,7 @@ class ReplayWatchdog:
         wd = self._ensure_native() if self.enabled and self.native else None
         replay_graphs(graphs, wd, label, "", False)
 
+    @timed("watchdog")
     def after_replay(self, label: str, collectives: str | None = None) -> None:
         """Watch the work launched so far on the current stream (every ``every``-th call)."""
         if not self.enabled or self._closed:

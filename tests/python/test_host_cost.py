@@ -1,0 +1,91 @@
+"""benchmarks/host_cost.py on a CPU (--smoke), and the host-time spans it reads (spans.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, child_env
+
+SPANS_OFF_AND_ON = r"""
+import json, sys, time
+from pygraph_dist import spans
+from pygraph_dist.engine import Engine
+from pygraph_dist.graph_cache import GraphCache
+
+@spans.timed("outer")
+def outer():
+    time.sleep(0.02)
+    inner()
+    inner()
+
+@spans.timed("inner")
+def inner():
+    time.sleep(0.01)
+
+outer()
+print(json.dumps({"enabled": spans.ENABLED, "snapshot": spans.snapshot(),
+                  "wrapped": hasattr(Engine.run, "__wrapped__") or hasattr(GraphCache.drift, "__wrapped__"),
+                  "overhead_ns": spans.overhead_ns()}))
+"""
+
+
+def _spans(on: bool) -> dict:
+    env = child_env()
+    env.pop("PYGRAPH_DIST_HOST_SPANS", None)
+    if on:
+        env["PYGRAPH_DIST_HOST_SPANS"] = "1"
+    p = subprocess.run([sys.executable, "-c", SPANS_OFF_AND_ON], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_spans_are_free_when_off_and_exclusive_when_on():
+    off = _spans(False)
+    assert not off["enabled"] and not off["wrapped"] and off["overhead_ns"] == 0.0
+    assert off["snapshot"] == {}  # nothing registered: the decorators returned the functions unchanged
+
+    on = _spans(True)
+    assert on["enabled"] and on["wrapped"] and on["overhead_ns"] > 0
+    snap = on["snapshot"]
+    assert snap["outer"]["calls"] == 1 and snap["inner"]["calls"] == 2
+    # outer's own 20 ms, without inner's 2 x 10 ms (exclusive time)
+    assert 18e6 <= snap["outer"]["ns"] < 35e6, snap
+    assert 18e6 <= snap["inner"]["ns"] < 35e6, snap
+
+
+def test_host_cost_smoke(tmp_path):
+    p = subprocess.run([sys.executable, "benchmarks/host_cost.py", "--smoke", "--out-dir", str(tmp_path),
+                        "--name", "smoke", "--steps", "4"], cwd=ROOT, env=child_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    rows = {r["mode"]: r for r in result["rows"]}
+    # No CUDA: the hand-written graph is left out; eager and the pgd modes ran.
+    assert set(rows) == {"eager", "pgd_tier1", "pgd_tier2", "pgd_clip", "pgd_accum4"}, rows
+    for mode, r in rows.items():
+        assert r["status"] == "ok", r
+        assert r["params"] == 6 and r["wall_ms"] > 0 and r["host_us"] > 0 and r["host_p50_us"] > 0
+        if mode == "eager":
+            assert "phases_us" not in r
+            continue
+        assert r["tier"] == "3" and r["phase"] == "eager", r  # graphs=False on a CPU: eager through the engine
+        phases = r["phases_us"]
+        for phase in ("model call", "signature", "loop state", "step routing", "zero_grad routing",
+                      "torch zero_grad", "outside spans"):
+            assert phases.get(phase, -1) >= 0, (mode, phase, phases)
+        assert set(phases) <= set(result["phases"]), set(phases) - set(result["phases"])
+        # The phases add up to the spans-on host time (outside spans is the rest).
+        assert sum(phases.values()) == pytest.approx(r["spans_host_us"], rel=0.05)
+        assert r["phase_calls"]["model call"] == (4 if mode == "pgd_accum4" else 1)
+        assert r["span_ns"] > 0
+    assert rows["pgd_tier2"]["host_vs_tier1_us"] == pytest.approx(
+        rows["pgd_tier2"]["host_us"] - rows["pgd_tier1"]["host_us"])
+    assert "host us" in p.stdout and "by phase" in p.stdout  # the table, with its breakdown
+    png = tmp_path / "smoke.png"
+    if png.exists():  # matplotlib present
+        assert png.stat().st_size > 1000
