@@ -100,9 +100,13 @@ def _check_wrap_options(options: dict, reserved: dict[str, str]) -> None:
 
 
 def _default_backend(device: torch.device) -> str:
-    """What ``pygraph_dist.init()`` picks: the graph-safe NCCL (fingerprints of
-    captured collectives) and Gloo for CPU tensors, or graph-safe Gloo."""
-    return _backend.resolve("auto", cuda=device.type == "cuda")
+    """On CUDA what ``pygraph_dist.init()`` picks: the graph-safe NCCL
+    (fingerprints of captured collectives) and Gloo for CPU tensors. On a CPU
+    plain Gloo, not ``pgd_gloo``: no graph is ever captured there, and
+    Lightning's ``sync_dist`` mean (``fabric/utilities/distributed.py:
+    _sync_ddp``) replaces ``ReduceOp.AVG`` by a sum only for a group whose
+    backend is named "gloo"."""
+    return _backend.resolve("auto", cuda=True) if device.type == "cuda" else "gloo"
 
 
 def _init_process_group(environment, backend: str, timeout) -> None:
