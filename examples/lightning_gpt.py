@@ -137,7 +137,7 @@ def main() -> None:
     L.seed_everything(0)
     model = LitGPT(vocab=256, seq=seq, layers=layers, width=width, heads=max(1, width // 64))
     accumulate = 2
-    train, val = loaders(batch, seq, 256, train_batches=args.steps * accumulate)
+    train, val = loaders(batch, seq, 256, train_batches=args.steps * accumulate, world=devices)
     trainer = L.Trainer(
         strategy=strategy_for(args.strategy), accelerator="gpu" if gpu else "cpu", devices=devices,
         precision="bf16-mixed" if gpu else "32-true", accumulate_grad_batches=accumulate,

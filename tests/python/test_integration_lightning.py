@@ -283,3 +283,49 @@ def test_fabric_graphs_bitwise_gpu(ranks):
     assert g["losses"] == e["losses"]
     for name in g["params"]:
         assert g["params"][name] == e["params"][name], name
+
+
+def test_logged_values_reissued_after_replay(monkeypatch):
+    """What the strategy does around each step call, with the CUDA capture
+    simulated: eager values go to Lightning as they are; values logged during
+    a capture are kept (the graph rewrites them) and issued again, copied,
+    after every call whose body did not run."""
+    from pygraph_dist.integrations._lightning_logs import LoggedCalls, call_key
+
+    issued = []
+
+    def log(module, name, value, prog_bar=False, on_step=None):
+        issued.append((name, value, prog_bar, on_step))
+
+    calls, module = LoggedCalls(log), torch.nn.Linear(1, 1)
+    key = call_key("training_step", (torch.zeros(2, 3), 5), {}, {1})
+    assert key == call_key("training_step", (torch.ones(2, 3), 6), {}, {1})  # batch_idx left out
+    other = call_key("training_step", (torch.zeros(4, 3), 5), {}, {1})
+    assert other != key
+
+    eager = torch.tensor(1.0)
+    calls.begin_call()
+    with calls.recording(module):
+        module.log("loss", eager, on_step=True)
+    assert "log" not in module.__dict__  # the method is LightningModule's again
+    calls.end_call(module, key)
+    assert issued == [("loss", eager, False, True)]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    static = torch.tensor(2.0)
+    calls.begin_call()
+    with calls.recording(module):
+        module.log("loss", static, True)  # options by position are passed on by name
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    calls.end_call(module, key)
+    name, value, prog_bar, _ = issued[-1]
+    assert (name, float(value), prog_bar) == ("loss", 2.0, True) and value is not static
+
+    static.fill_(3.0)  # a replay writes the graph's tensor; the body does not run
+    calls.begin_call()
+    calls.end_call(module, key)
+    assert float(issued[-1][1]) == 3.0 and issued[-1][1] is not static and calls.reissued == 1
+    calls.begin_call()
+    calls.end_call(module, other)  # another signature's graph: not these values
+    assert calls.reissued == 1 and len(issued) == 3

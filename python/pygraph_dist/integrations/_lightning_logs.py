@@ -63,7 +63,7 @@ class LoggedCalls:
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             if args:  # options passed by position: named, as LightningModule.log takes them
                 bound = self._signature.bind(module, name, value, *args, **kwargs).arguments
-                kwargs = {k: v for k, v in bound.items() if k not in ("self", "name", "value")}
+                kwargs = {k: v for k, v in list(bound.items())[3:]}  # after (self, name, value)
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 run.captured = True
             run.calls.append((name, value, kwargs))
