@@ -74,7 +74,7 @@ def child(args: argparse.Namespace) -> dict:
            "device": torch.cuda.get_device_name() if gpu else "cpu",
            "precision": "bf16-mixed" if gpu else "32-true"}
     if args.child == "pgd":
-        d = trainer.strategy.engine.describe()
+        d = trainer.strategy.last_report  # before fit's teardown released the graphs
         row.update(tiers=sorted({g.tier for g in d.graphs}), replays=d.replays, loop=d.loop)
     return row
 

@@ -222,8 +222,9 @@ class PGDStrategy(DDPStrategy):
     Keyword arguments other than DDPStrategy's own are ``pygraph_dist.wrap()``
     options (``graphs=False``, ``bucket_cap_mb``, ``ignore_args`` naming
     ``training_step``'s arguments, ...); ``amp`` and ``max_grad_norm`` come from
-    the Trainer's ``precision`` and ``gradient_clip_val``. After ``fit``,
-    ``strategy.engine`` and ``pygraph_dist.report()`` say what was graphed."""
+    the Trainer's ``precision`` and ``gradient_clip_val``. ``fit`` ends with a
+    teardown that releases the graphs; ``strategy.last_report`` is
+    ``pygraph_dist``'s report of this model just before it (tiers, replays)."""
 
     strategy_name = NAME
 
@@ -243,6 +244,7 @@ class PGDStrategy(DDPStrategy):
         self.logged = LoggedCalls(pl.LightningModule.log)
         self.graphed: pgd.GraphedModule | None = None
         self.engine = None  # kept after teardown, so that report() still lists this model
+        self.last_report = None  # engine.describe() just before teardown (end of fit)
         self.ignored_positions: set[int] = set()
         self._amp_in_engine = False
         self._undo: list[Callable[[], None]] = []
@@ -366,6 +368,8 @@ class PGDStrategy(DDPStrategy):
     # ----------------------------------------------------------------- teardown
     def teardown(self) -> None:
         if self.graphed is not None:
+            # What was graphed, as it stood: torn down, every graph is released and reads as eager.
+            self.last_report = self.graphed.engine.describe()
             self.graphed.engine.teardown()  # graphs released before Lightning moves the module to CPU
             self.logged.forget()
             self.model = self.lightning_module
