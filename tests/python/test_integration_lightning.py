@@ -93,6 +93,87 @@ def trainer_pair(**kwargs) -> dict:
     return {"ddp": _trainer_fit("ddp", **kwargs), "pgd": _trainer_fit("pgd", **kwargs)}
 
 
+def _manual_module(**dims):
+    import torch.nn.functional as F
+
+    import lightning_gpt as ex
+
+    class ManualGPT(ex.LitGPT):
+        """Manual optimization: zero_grad, forward, manual_backward, clip, step, scheduler."""
+
+        def __init__(self, **kw) -> None:
+            super().__init__(**kw)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt, sched = self.optimizers(), self.lr_schedulers()
+            x, y = batch
+            opt.zero_grad()
+            logits = self(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+            self.manual_backward(loss)
+            self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+            opt.step()
+            sched.step()
+            self.log("train_loss", loss, on_step=True)
+
+    return ManualGPT(**dims)
+
+
+def _manual_fit(strategy: str, *, graphs: int = 1, select: int = 1, size: str = "tiny", steps: int = 6) -> dict:
+    import lightning as L
+
+    import lightning_gpt as ex
+
+    gpu = torch.cuda.is_available()
+    dims, batch = SIZES[size]
+    L.seed_everything(0)
+    model = _manual_module(**dims)
+    world = 1 if gpu else 2
+    train, val = ex.loaders(batch, dims["seq"], dims["vocab"], train_batches=steps, world=world)
+    losses = []
+
+    class Losses(L.Callback):
+        def on_train_batch_end(self, trainer, *rest):
+            losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    options = {k: False for k, on in (("graphs", graphs), ("select", select)) if not on}
+    trainer = L.Trainer(strategy=ex.strategy_for(strategy, **options), accelerator="gpu" if gpu else "cpu",
+                        devices=world, max_steps=steps, limit_val_batches=2, num_sanity_val_steps=1,
+                        logger=False, callbacks=[Losses()], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, train, val)
+    out = {"params": {n: p.detach().float().cpu().reshape(-1).tolist() for n, p in model.named_parameters()},
+           "losses": losses, "val": float(trainer.callback_metrics["val_loss"])}
+    if strategy == "pgd":
+        d = trainer.strategy.last_report
+        out.update(loop=d.loop, tiers=[g.tier for g in d.graphs], replays=d.replays,
+                   forward_restored="forward" not in model.__dict__)
+    return out
+
+
+def manual_pair() -> dict:
+    """Manual optimization, strategy="ddp" and strategy="pgd"."""
+    return {strategy: _manual_fit(strategy) for strategy in ("ddp", "pgd")}
+
+
+def manual_graphed_vs_eager() -> dict:
+    kwargs = dict(select=0, size="small", steps=20)
+    return {"graphed": _manual_fit("pgd", **kwargs), "eager": _manual_fit("pgd", graphs=0, **kwargs)}
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_manual_optimization_graphs_bitwise_gpu(ranks):
+    (r,) = ranks("test_integration_lightning:manual_graphed_vs_eager", world_size=1, timeout=560)
+    g, e = r["graphed"], r["eager"]
+    assert set(g["tiers"]) & {"1", "2"}, g["loop"]
+    assert g["replays"] >= 10, g
+    assert g["losses"] == e["losses"] and len(g["losses"]) == 20
+    for name in g["params"]:
+        assert g["params"][name] == e["params"][name], name
+
+
 def trainer_resume(out: str, schedule: str = "epoch") -> dict:
     """One epoch, a checkpoint, fit(ckpt_path=...) to two epochs -- and two epochs straight."""
     ckpt = os.path.join(out, "one-epoch.ckpt")
@@ -198,6 +279,16 @@ def test_fabric_pgd_equals_ddp_cpu(ranks):
     for r in ranks("test_integration_lightning:fabric_pair", timeout=280):
         _close(r["pgd"], r["ddp"])
         _not_tier3(r["pgd"]["loop"])
+
+
+@pytest.mark.timeout(300)
+def test_manual_optimization_pgd_equals_ddp_cpu(ranks):
+    for r in ranks("test_integration_lightning:manual_pair", timeout=280):
+        _close(r["pgd"], r["ddp"])
+        assert r["pgd"]["val"] == pytest.approx(r["ddp"]["val"], rel=1e-5)
+        _not_tier3(r["pgd"]["loop"])
+        assert "loss is computed outside the model" in r["pgd"]["loop"]  # the forward is the model call
+        assert r["pgd"]["forward_restored"]
 
 
 def test_strategy_rejects_wrap_options_it_owns():

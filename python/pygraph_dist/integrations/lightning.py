@@ -42,8 +42,13 @@ place of ``DistributedDataParallel``. What it changes, and why:
   eagerly, with the line in ``pygraph_dist.report()``.
 * **self.log**: see ``_lightning_logs.py`` -- the values keep flowing on replays.
 * **Manual optimization** (``automatic_optimization = False``): the step method
-  runs backward and step itself, inside what would be the model call; the
-  strategy then trains with torch DDP, as ``strategy="ddp"``, and logs so.
+  runs backward and step itself, so it cannot be the model call. It runs as
+  written, and the module's own ``forward`` (``self(x)`` inside it) is routed
+  through the wrapper: the model call is the forward, the loss is computed
+  outside it, ``manual_backward`` and ``opt.step()`` are the loop's -- tier 2.
+  Lightning's precision plugin stays in charge there (its autocast covers the
+  whole step, loss included, and its GradScaler serves ``manual_backward``),
+  and so does ``self.clip_gradients``.
 """
 
 from __future__ import annotations
@@ -67,8 +72,6 @@ try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
     from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
-    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
-    from lightning.fabric.strategies.strategy import _BackwardSyncControl
     from lightning.fabric.utilities.distributed import _init_dist_connection
     from lightning.fabric.utilities.optimizer import _optimizers_to_device
     from lightning.fabric.utilities.seed import reset_seed
@@ -192,7 +195,7 @@ class _Redirection:
 
     def __call__(self, wrapper: torch.nn.Module, module: "pl.LightningModule", method_name: str,
                  *args: Any, **kwargs: Any):
-        if not isinstance(wrapper, pgd.GraphedModule):  # torch DDP (manual optimization)
+        if not isinstance(wrapper, pgd.GraphedModule):  # not wrapped by us: Lightning's own
             return _DDPForwardRedirection()(wrapper, module, method_name, *args, **kwargs)
         method = getattr(module, method_name)
         logged = self._strategy.logged
@@ -247,6 +250,7 @@ class PGDStrategy(DDPStrategy):
         self.last_report = None  # engine.describe() just before teardown (end of fit)
         self.ignored_positions: set[int] = set()
         self._amp_in_engine = False
+        self._manual = False  # automatic_optimization = False (_route_forward)
         self._undo: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------ process group
@@ -262,12 +266,8 @@ class PGDStrategy(DDPStrategy):
     # -------------------------------------------------------------------- setup
     def setup(self, trainer: "pl.Trainer") -> None:
         module = self.lightning_module
-        if trainer.state.fn != TrainerFn.FITTING or not module.automatic_optimization:
-            if trainer.state.fn == TrainerFn.FITTING and self.global_rank == 0:
-                logger.info("strategy='pgd': %s uses manual optimization (backward and step inside "
-                            "training_step), which trains with torch DDP, as strategy='ddp'",
-                            type(module).__name__)
-            return super().setup(trainer)  # DDP for manual optimization; no wrapper outside fit
+        if trainer.state.fn != TrainerFn.FITTING:
+            return super().setup(trainer)  # nothing to reduce: DDP's setup does not wrap either
         self.accelerator.setup(trainer)
         if self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
@@ -284,9 +284,15 @@ class PGDStrategy(DDPStrategy):
                 f"strategy='pgd' trains a LightningModule with one optimizer; configure_optimizers "
                 f"returned {len(self.optimizers)}. Return one optimizer (with its schedulers), or use "
                 "strategy='ddp' for this module.")
+        options = dict(self._wrap_options)
+        self._manual = not module.automatic_optimization
+        if self._manual:  # the model call is the forward: wrap()'s options as they are
+            graphed, _ = pgd.wrap(module, self.optimizers[0], **options)
+            self._route_forward(module, graphed)
+            self.graphed, self.engine = graphed, graphed.engine
+            return graphed
         amp = self._take_precision()
         max_grad_norm = self._take_clipping(trainer, module, amp)
-        options = dict(self._wrap_options)
         names = options.pop("ignore_args", None)
         names = tuple([names] if isinstance(names, str) else names) if names is not None else \
             _step_ignored_args(module.training_step)
@@ -297,6 +303,25 @@ class PGDStrategy(DDPStrategy):
             self.ignored_positions = set(graphed.engine.ignored.positions)
         self.graphed, self.engine = graphed, graphed.engine
         return graphed
+
+    def _route_forward(self, module: "pl.LightningModule", graphed: pgd.GraphedModule) -> None:
+        """Manual optimization: ``self(x)`` in the step goes through the wrapper,
+        whose engine calls the module again -- then the real forward."""
+        own = module.__dict__.get("forward")
+        real = own if own is not None else type(module).forward.__get__(module)
+        inside = [False]
+
+        def forward(*args: Any, **kwargs: Any):
+            if inside[0]:
+                return real(*args, **kwargs)
+            inside[0] = True
+            try:
+                return graphed(*args, **kwargs)
+            finally:
+                inside[0] = False
+
+        module.__dict__["forward"] = forward
+        self._undo.append(lambda: _set_forward(module, own))
 
     def _take_precision(self) -> str | None:
         plugin = self.precision_plugin
@@ -344,10 +369,19 @@ class PGDStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any):
         if self.graphed is None:
             return super().training_step(*args, **kwargs)
+        if self._manual:  # as written; its self(x) reaches the wrapper (_route_forward)
+            with self.precision_plugin.train_step_context():
+                return self.lightning_module.training_step(*args, **kwargs)
         # With amp handed to wrap(), the engine autocasts the same call (inside the graph).
         context = contextlib.nullcontext() if self._amp_in_engine else self.precision_plugin.train_step_context()
         with context:
             return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any):
+        if self.graphed is not None and self._manual:  # its self(x) reaches the wrapper, in eval mode
+            with self.precision_plugin.val_step_context():
+                return self.lightning_module.validation_step(*args, **kwargs)
+        return super().validation_step(*args, **kwargs)
 
     @contextlib.contextmanager
     def block_backward_sync(self):
@@ -376,7 +410,7 @@ class PGDStrategy(DDPStrategy):
             self.graphed = None
         while self._undo:
             self._undo.pop()()
-        self._amp_in_engine = False
+        self._amp_in_engine = self._manual = False
         super().teardown()
 
     @classmethod
@@ -385,61 +419,9 @@ class PGDStrategy(DDPStrategy):
             strategy_registry.register(NAME, cls, description="pygraph_dist: DDP training as CUDA graphs")
 
 
-class _GraphedBackwardSyncControl(_BackwardSyncControl):
-    def no_backward_sync(self, module: torch.nn.Module, enabled: bool):
-        if not enabled:
-            return contextlib.nullcontext()
-        if not isinstance(module, pgd.GraphedModule):
-            raise TypeError(f"fabric.no_backward_sync needs a model set up by Fabric(strategy='pgd') "
-                            f"together with its optimizer; got {type(module).__name__}.")
-        return module.no_sync()
-
-
-class PGDFabricStrategy(FabricDDPStrategy):
-    """Fabric's DDP strategy with ``pygraph_dist.wrap`` instead of DDP:
-    ``fabric.setup(model, optimizer)`` wraps both (one optimizer per model).
-    Fabric's precision plugin stays in charge (its autocast around the model
-    call, its GradScaler in ``fabric.backward``); keyword arguments are
-    ``wrap()`` options."""
-
-    def __init__(self, accelerator=None, parallel_devices=None, cluster_environment=None,
-                 checkpoint_io=None, precision=None, process_group_backend: str | None = None,
-                 timeout=default_pg_timeout, start_method: str = "popen", **wrap_options: Any) -> None:
-        _check_wrap_options(wrap_options, {})
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision=precision, process_group_backend=process_group_backend,
-                         timeout=timeout, start_method=start_method)
-        self._backward_sync_control = _GraphedBackwardSyncControl()
-        self._wrap_options = wrap_options
-        self.engines: list = []
-
-    def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or _default_backend(self.root_device)
-
-    def _setup_distributed(self) -> None:
-        self._set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
-        _init_process_group(self.cluster_environment, self._process_group_backend, self._timeout)
-
-    def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
-        if len(optimizers) != 1:
-            raise ValueError(f"Fabric(strategy='pgd'): set up each model with its one optimizer, "
-                             f"fabric.setup(model, optimizer); got {len(optimizers)} optimizers.")
-        graphed, optimizer = pgd.wrap(module, optimizers[0], **self._wrap_options)
-        self.engines.append(graphed.engine)
-        return graphed, [optimizer], scheduler
-
-    def teardown(self) -> None:
-        for engine in self.engines:
-            engine.teardown()
-        super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        if NAME not in strategy_registry:
-            strategy_registry.register(NAME, cls, description="pygraph_dist: DDP training as CUDA graphs")
-
+# Fabric's strategy lives beside this module (it uses the helpers above); importing
+# this module registers both names.
+from ._lightning_fabric import PGDFabricStrategy  # noqa: E402
 
 PGDStrategy.register_strategies(StrategyRegistry)
 PGDFabricStrategy.register_strategies(FABRIC_REGISTRY)
