@@ -393,9 +393,9 @@ class PGDStrategy(DDPStrategy):
             yield None
 
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
-        if self.graphed is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
         raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer  # noqa: SLF001
+        if self.graphed is None or isinstance(raw, torch.optim.LBFGS):  # LBFGS re-evaluates the closure
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
         with _closure_first(raw):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
