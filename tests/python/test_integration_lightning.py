@@ -428,3 +428,21 @@ def test_logged_values_reissued_after_replay(monkeypatch):
     calls.begin_call()
     calls.end_call(module, other)  # another signature's graph: not these values
     assert calls.reissued == 1 and len(issued) == 3
+
+
+def test_ignore_args_read_from_training_step():
+    """The strategy's model call runs training_step(batch, batch_idx), not forward(idx):
+    ignore_args positions come from training_step, and a wrong name names it."""
+    from pygraph_dist.arguments import IGNORED, IgnoredArgs
+    from pygraph_dist.integrations.lightning import _step_ignored_args
+
+    import lightning_gpt as ex
+
+    module = ex.LitGPT(**TINY)
+    assert _step_ignored_args(module.training_step) == ("batch_idx",)
+    ignored = IgnoredArgs(("batch_idx",), module, forward=module.training_step)
+    assert ignored.positions == {1: "batch_idx"}
+    batch = [torch.zeros(2, 4, dtype=torch.long)] * 2
+    assert ignored.mask((batch, 7), {}) == ((batch, IGNORED), {})
+    with pytest.raises(ValueError, match=r"LitGPT.training_step does not take.*its arguments: batch, batch_idx"):
+        IgnoredArgs(("step",), module, forward=module.training_step)
