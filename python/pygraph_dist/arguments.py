@@ -119,11 +119,16 @@ class IgnoredArgs:
     the input signature, by name (positional arguments are matched through the
     signature of the module's ``forward``)."""
 
-    def __init__(self, names: tuple[str, ...], module: torch.nn.Module) -> None:
+    def __init__(self, names: tuple[str, ...], module: torch.nn.Module,
+                 forward: Callable | None = None) -> None:
+        """``forward``: the function the model call really runs, when it is not
+        ``module.forward`` -- Lightning's strategy calls ``training_step(batch,
+        batch_idx)`` through the wrapper, so positions are read from it."""
         self.names = tuple(names)
         self.positions: dict[int, str] = {}
+        self.forward = forward
         try:
-            params = list(inspect.signature(_forward_of(module)).parameters.values())
+            params = list(inspect.signature(forward or _forward_of(module)).parameters.values())
         except (TypeError, ValueError):  # no signature to read: keyword arguments only
             params = []
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -135,7 +140,7 @@ class IgnoredArgs:
             elif not takes_any_keyword and not any(p.name == name for p in params):
                 raise ValueError(
                     f"ignore_args names {name!r}, which "
-                    f"{type(getattr(module, '_orig_mod', module)).__name__}.forward does not take "
+                    f"{getattr(forward, '__qualname__', None) or type(getattr(module, '_orig_mod', module)).__name__ + '.forward'} does not take "
                     f"(its arguments: {', '.join(p.name for p in params) or 'none'}).")
 
     def __bool__(self) -> bool:

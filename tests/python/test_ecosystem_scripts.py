@@ -283,6 +283,8 @@ def is_eval_record(g: dict) -> bool:
     Assumed: ``GraphReport.kind == "eval"`` (training records ``"train"``); an
     evaluation record without that field is recognised by its ``segments``
     text naming a forward-only graph or evaluation."""
+    if g.get("tier") == "eval":  # evaluation.py's entries
+        return True
     kind = g.get("kind") or g.get("mode")
     if kind:
         return kind == "eval"

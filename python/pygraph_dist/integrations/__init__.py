@@ -1,5 +1,8 @@
-"""Integrations with training frameworks that create DistributedDataParallel themselves.
+"""Training frameworks that create DistributedDataParallel themselves, and
+pygraph_dist in its place: Lightning and Fabric (:mod:`.lightning`), Hugging
+Face Accelerate and the Trainer (:mod:`.hf`).
 
-Each submodule imports its framework only when it is imported itself (``import
-pygraph_dist`` never does), and names the extra to install when it is missing.
+Each integration is a module of its own that imports its framework, so that
+``import pygraph_dist`` never does; a missing framework is an ``ImportError``
+naming the extra to install (``pip install pygraph_dist[lightning]``, ``[hf]``).
 """
