@@ -128,12 +128,12 @@ class ModelReport:
 
     @property
     def replays(self) -> int:
-        """Training iterations (or micro-batches) replayed; evaluation calls not counted."""
+        """Training steps (optimizer steps, micro-batches included) replayed; evaluation calls not counted."""
         return sum(g.replays for g in self.graphs if g.tier != "eval")
 
     @property
     def eager_iterations(self) -> int:
-        """Training iterations (or micro-batches) that ran eagerly; evaluation calls not counted."""
+        """Training steps that ran eagerly (probe, warm-up and capture included); evaluation calls not counted."""
         return sum(g.eager_iterations for g in self.graphs if g.tier != "eval")
 
     @property
