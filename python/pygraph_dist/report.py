@@ -100,6 +100,9 @@ class GraphReport:
 
 @dataclass(frozen=True)
 class ModelReport:
+    """One wrapped model on this rank: its settings, what the loop check found,
+    one :class:`GraphReport` per input signature and the event log."""
+
     model: str
     rank: int
     world_size: int
@@ -125,11 +128,12 @@ class ModelReport:
 
     @property
     def replays(self) -> int:
-        """Training iterations (or micro-batches) replayed; evaluation calls not counted."""
+        """Training steps (optimizer steps, micro-batches included) replayed; evaluation calls not counted."""
         return sum(g.replays for g in self.graphs if g.tier != "eval")
 
     @property
     def eager_iterations(self) -> int:
+        """Training steps that ran eagerly (probe, warm-up and capture included); evaluation calls not counted."""
         return sum(g.eager_iterations for g in self.graphs if g.tier != "eval")
 
     @property
@@ -139,6 +143,7 @@ class ModelReport:
 
     @property
     def eval_calls(self) -> int:
+        """Model calls made without autograd (evaluation), replayed or not."""
         return sum(g.iterations for g in self.graphs if g.tier == "eval")
 
 
@@ -346,14 +351,14 @@ class Report:
         """Plain JSON types only, so ``json.loads(json.dumps(d)) == d``.
 
         ``{"models": [model, ...]}``, one ``model`` per wrapped model in creation
-        order: every :class:`ModelReport` field (``model``, ``rank``,
+        order: every :class:`~pygraph_dist.report.ModelReport` field (``model``, ``rank``,
         ``world_size``, ``graphs_possible``, ``graphs_reason``, ``loop``,
         ``amp``, ``optimizer``, ``optimizer_changes``, ``buckets``, ``backend``,
         ``eager_buckets``, ``skipped_steps``, ``compile``, ``accumulation``,
         ``stock_backend``, ``tier1_needs``), ``graphs``: one dict per input
-        signature with the :class:`GraphReport` fields, ``events``: the raw event
+        signature with the :class:`~pygraph_dist.report.GraphReport` fields, ``events``: the raw event
         log [{iteration, inputs, event, detail}], and ``summary``: see
-        :func:`summarize` (steps, replayed, eager, status, tiers, timings,
+        :func:`~pygraph_dist.report.summarize` (steps, replayed, eager, status, tiers, timings,
         precision, eager reasons with fixes, counted events)."""
         return {"models": [{**asdict(m), "summary": summarize(m)} for m in self.models]}
 
@@ -378,6 +383,8 @@ class Report:
         return out
 
     def text(self, verbose: bool | None = None) -> str:
+        """The text ``str(report)`` prints; ``verbose`` overrides the form chosen at
+        :func:`pygraph_dist.report`."""
         from .report_text import render
 
         return render(self.models, self.verbose if verbose is None else verbose)
