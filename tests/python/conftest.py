@@ -46,8 +46,7 @@ def cpu_children_unless_gpu_test(request, monkeypatch):
 
 
 _LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELASTIC_")
-_LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                   "GROUP_RANK"}
+_LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 
 def child_env(**extra: str) -> dict:
@@ -104,9 +103,6 @@ def run_ranks(
         env_r = child_env(
             RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            # torchrun sets GROUP_RANK too; without it Lightning does not see torchrun
-            # and asks mpi4py, whose MPI_Init aborts where Open MPI finds no rsh agent.
-            GROUP_RANK="0",
             PYTHONPATH=str(ROOT / "tests" / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
         )
         if env:
