@@ -105,6 +105,10 @@ def main() -> None:
                "--warmup-steps", str(args.warmup_steps), "--layers", str(args.layers), "--width",
                str(args.width), "--batch", str(args.batch), "--seq", str(args.seq)]
         env = dict(os.environ)
+        # One process, no launcher: Lightning asks mpi4py whether this is an MPI job,
+        # and an Open MPI singleton init aborts without an ssh/rsh agent; there is none
+        # to reach here anyway (launch_env._mpi_comm does the same).
+        env.setdefault("OMPI_MCA_plm_rsh_agent", "false")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))
         if args.smoke:
             cmd.append("--smoke")

@@ -24,9 +24,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, child_env
+from conftest import ROOT, child_env, run_ranks
 
 pytest.importorskip("lightning")
+
+# Ranks are started as torchrun starts them. Lightning knows torchrun by
+# TORCHELASTIC_RUN_ID; without it, it asks mpi4py whether this is an MPI job,
+# and an Open MPI mpi4py in a process no mpirun started initialises as a
+# singleton, which aborts where Open MPI finds no ssh/rsh agent (the GPU machine).
+TORCHRUN_ENV = {"TORCHELASTIC_RUN_ID": "pgd-tests", "GROUP_RANK": "0"}
+
+
+@pytest.fixture
+def ranks(tmp_path):
+    def run(case: str, **kwargs):
+        kwargs["env"] = {**TORCHRUN_ENV, **(kwargs.get("env") or {})}
+        return run_ranks(case, tmp_path, **kwargs)
+    return run
 sys.path.insert(0, str(ROOT / "examples"))
 
 TINY = dict(vocab=32, seq=16, layers=2, width=32, heads=2, lr=3e-3, warmup=3)
@@ -83,7 +97,7 @@ def _trainer_fit(strategy: str, *, graphs: int = 1, steps: int = 6, accumulate: 
               "global_step": trainer.global_step}
     if strategy == "pgd":
         d = trainer.strategy.last_report  # before fit's teardown released the graphs
-        result.update(loop=d.loop, tiers=[g.tier for g in d.graphs], replays=d.replays, amp=d.amp,
+        result.update(loop=d.loop, tiers=[g.tier for g in d.graphs if g.tier != "eval"], eval_replays=d.eval_replays, replays=d.replays, amp=d.amp,
                       reissued=trainer.strategy.logged.reissued, report=str(d))
     return result
 
@@ -147,7 +161,7 @@ def _manual_fit(strategy: str, *, graphs: int = 1, select: int = 1, size: str = 
            "losses": losses, "val": float(trainer.callback_metrics["val_loss"])}
     if strategy == "pgd":
         d = trainer.strategy.last_report
-        out.update(loop=d.loop, tiers=[g.tier for g in d.graphs], replays=d.replays,
+        out.update(loop=d.loop, tiers=[g.tier for g in d.graphs if g.tier != "eval"], eval_replays=d.eval_replays, replays=d.replays,
                    forward_restored="forward" not in model.__dict__)
     return out
 
@@ -227,7 +241,7 @@ def _fabric_loop(strategy: str, steps: int = 6, accumulate: int = 2, graphs: boo
     result = {"params": params, "losses": losses}
     if strategy == "pgd":
         d = fabric.strategy.engines[0].describe()
-        result.update(loop=d.loop, tiers=[g.tier for g in d.graphs], replays=d.replays)
+        result.update(loop=d.loop, tiers=[g.tier for g in d.graphs if g.tier != "eval"], eval_replays=d.eval_replays, replays=d.replays)
     return result
 
 
