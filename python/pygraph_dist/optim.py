@@ -363,6 +363,13 @@ class GraphedOptimizerMixin:
     def zero_grad(self, set_to_none: bool = True) -> None:
         engine = self.__dict__.get("_pgd_engine")
         if engine is None:
+            # A wrapper that subclasses our class and keeps the optimizer inside
+            # (Lightning Fabric's _FabricOptimizer: its class derives from ours, its
+            # __dict__ is its own): the wrapped optimizer's zero_grad, which the
+            # engine must see (else the loop check sees no zero_grad at all).
+            inner = self.__dict__.get("_optimizer")
+            if isinstance(inner, GraphedOptimizerMixin) and inner is not self:
+                return inner.zero_grad(set_to_none)
             return super().zero_grad(set_to_none)  # type: ignore[misc]
         engine.optimizer_zero_grad(set_to_none)
 

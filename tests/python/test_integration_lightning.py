@@ -258,7 +258,8 @@ def _close(a: dict, b: dict, rtol: float = 1e-4, atol: float = 1e-6) -> None:
 def _not_tier3(loop: str) -> None:
     # On a CPU no graph is possible, so the verdict names what keeps tier 1 away;
     # what must not be there is what only tier 3 can run.
-    for tier3 in ("step(closure)", "reaches model parameters", "several forward passes"):
+    for tier3 in ("step(closure)", "reaches model parameters", "several forward passes",
+                  "zero_grad() was not called"):
         assert tier3 not in loop, loop
 
 
