@@ -154,6 +154,10 @@ def test_gpt_pretrain_with_pgd_trains_like_ddp_on_cpu(tmp_path):
     assert [g["lr"] for g in ck_pgd["optimizer"]["param_groups"]] == pytest.approx(
         [g["lr"] for g in ck_ddp["optimizer"]["param_groups"]])
     assert pgd[0]["report"]["model"] == "GPT"
+    # What a new user reads at the end (issue 28): a few lines, and the same story as the records.
+    text = pgd[0]["report_text"]
+    assert len(text.splitlines()) <= 12, text
+    assert "evaluation (no grad)" in text and "precision:" in text, text
 
 
 def test_imagenet_reference_with_pgd_trains_like_ddp_on_cpu(tmp_path):
@@ -307,6 +311,9 @@ def test_script_graphed_equals_graphs_false_on_one_gpu(tmp_path, name):
     eager = run_script(script, args + ["--mode", "pgd_nographs"], tmp_path / "eager", world_size=1,
                        timeout=timeout, spawn=spawn, cuda=True)[0]
     text = graphed["report_text"]
+    assert len(text.splitlines()) <= 12, text  # issue 28: report() in a few lines
+    if script == "gpt_pretrain.py":  # the script's own autocast, said as such
+        assert "user autocast bf16" in text and "replayed (tier 2)" in text, text
     # Bitwise: every logged loss, every evaluation, the final parameters (and buffers, EMA).
     losses = "steps" if script == "imagenet_ref.py" else "losses"
     assert graphed[losses] == eager[losses], f"losses differ from graphs=False\n{text}"
