@@ -108,9 +108,9 @@ def _default(m: ModelReport) -> list[str]:
     if ev["calls"]:
         text = (f"  evaluation (no grad): {ev['calls']} calls, {ev['replayed']} replayed as forward graphs "
                 f"({ev['signatures']} signature{'s' if ev['signatures'] > 1 else ''})")
-        if ev["eager_reasons"]:
-            r = ev["eager_reasons"][0]
-            text += f"; eager: {_with_fix(r['short'], r['fix'])}"
+        reasons = [r for r in ev["eager_reasons"] if r["reason"] != m.graphs_reason]  # said below
+        if reasons:
+            text += f"; eager: {_with_fix(reasons[0]['short'], reasons[0]['fix'])}"
         lines.append(text)
     said: set[str] = set()
     room = 2

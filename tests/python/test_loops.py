@@ -239,7 +239,7 @@ def loop_vs_ddp(loop="readme", optimizer="adamw", steps=6, scheduler=0, amp="fp3
         "params": flat_params(model.module).tolist() if dev.type == "cuda" else [],
         "log": log,
         "ref_log": ref_log,
-        "tiers": [g.tier for g in rep.graphs],
+        "tiers": [g.tier for g in rep.graphs if g.tier != "eval"],  # evaluation entries apart
         "phases": [g.phase for g in rep.graphs],
         "replays": rep.replays,
         "loop_verdict": rep.loop,
