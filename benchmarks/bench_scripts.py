@@ -102,15 +102,8 @@ def run_mode(mode: str, shape: list[str], sched: list[str], out_dir: Path, timeo
 
 
 def is_eval_record(g: dict) -> bool:
-    """An evaluation (forward-only) graph in ``pgd.report()``: ``kind == "eval"``,
-    or, without that field, segments that say so (as tests/python/test_ecosystem_scripts.py)."""
-    if g.get("tier") == "eval":  # evaluation.py's entries
-        return True
-    kind = g.get("kind") or g.get("mode")
-    if kind:
-        return kind == "eval"
-    seg = (g.get("segments") or "").lower()
-    return "eval" in seg or "forward only" in seg or "forward-only" in seg
+    """An evaluation (forward-only) signature's record in ``pgd.report()`` (evaluation.py)."""
+    return g.get("tier") == "eval"
 
 
 def summarize(results: list[dict], eval_batches: int) -> dict:

@@ -282,18 +282,8 @@ GPU_RUNS = {
 
 
 def is_eval_record(g: dict) -> bool:
-    """A graph record of an evaluation (forward-only) signature in ``pgd.report()``.
-
-    Assumed: ``GraphReport.kind == "eval"`` (training records ``"train"``); an
-    evaluation record without that field is recognised by its ``segments``
-    text naming a forward-only graph or evaluation."""
-    if g.get("tier") == "eval":  # evaluation.py's entries
-        return True
-    kind = g.get("kind") or g.get("mode")
-    if kind:
-        return kind == "eval"
-    seg = (g.get("segments") or "").lower()
-    return "eval" in seg or "forward only" in seg or "forward-only" in seg
+    """An evaluation (forward-only) signature's record in ``pgd.report()`` (evaluation.py)."""
+    return g.get("tier") == "eval"
 
 
 def _eval_outputs(result: dict):
