@@ -16,8 +16,9 @@
 #    on local disk).
 # 3. Build and test tools that are missing (none is downloaded when all are
 #    present), mpi4py built against the launcher's MPI; optional ones
-#    (matplotlib, tqdm, mpi4py; with PGD_SETUP_TESTS=1 sphinx and myst-parser
-#    for the docs build test) only warn when they cannot be installed.
+#    (matplotlib, tqdm, mpi4py; with PGD_SETUP_TESTS=1 sphinx and myst-parser for
+#    the docs build test, lightning, transformers and accelerate for the
+#    integration tests) only warn when they cannot be installed.
 # 4. pygraph_dist itself: `pip install --no-build-isolation .`, so that the
 #    extension compiles against the torch in the environment.
 set -euo pipefail
@@ -229,6 +230,13 @@ if [ "${PGD_SETUP_TESTS:-0}" = 1 ]; then
   if [ -n "$need_docs" ]; then
     # shellcheck disable=SC2086
     optional_install "$need_docs" "the documentation build test is skipped" $need_docs
+  fi
+  # The framework integrations' tests (pygraph_dist[lightning], [hf]): with torch
+  # already installed, pip keeps it (each asks for torch>=2.x, which it satisfies).
+  need_fw=$(missing lightning:lightning transformers:transformers accelerate:accelerate)
+  if [ -n "$need_fw" ]; then
+    # shellcheck disable=SC2086
+    optional_install "$need_fw" "the Lightning and Hugging Face integration tests are skipped" $need_fw
   fi
 fi
 
