@@ -109,7 +109,8 @@ def main() -> None:
         # and an Open MPI singleton init aborts without an ssh/rsh agent; there is none
         # to reach here anyway (launch_env._mpi_comm does the same).
         env.setdefault("OMPI_MCA_plm_rsh_agent", "false")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))
+        if any((ROOT / "python" / "pygraph_dist").glob("_C*.so")):  # built in place: this tree's
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))
         if args.smoke:
             cmd.append("--smoke")
             env["CUDA_VISIBLE_DEVICES"] = ""
