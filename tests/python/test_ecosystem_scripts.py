@@ -96,14 +96,17 @@ def run_script(script: str, args: list[str], out_dir: Path, *, world_size: int, 
         raise RankFailure(f"{script} {' '.join(args)}: did not finish within {timeout} s\n{logs}")
     if any(p.returncode != 0 for p, _ in procs):
         done = all((out_dir / f"result_rank{r}.json").exists() for r in range(world_size))
-        if not (spawn and done and _STOCK_GLOO_EXIT_ABORT in logs):
+        if not (done and _STOCK_GLOO_EXIT_ABORT in logs):
             raise RankFailure(f"{script} {' '.join(args)}: exit codes {[p.returncode for p, _ in procs]}\n{logs}")
-        # The script's own init_process_group("gloo") is torch's stock Gloo, whose
-        # worker threads can drop a finished Work's tensors while the interpreter
-        # finalizes (std::terminate; pygraph_dist's own backend hands Gloo
-        # Python-free aliases instead, tests/python/test_faults_exit_stress.py).
-        # It happened once in 8 launches of the DDP control, with every result
-        # written: what this test checks is complete, so it is said, not hidden.
+        # Each script makes its own init_process_group("gloo"): torch's stock Gloo,
+        # whose worker threads can drop a finished Work's tensors while the
+        # interpreter finalizes, after destroy_process_group (std::terminate in
+        # pt_gloo_runloop; pygraph_dist's own backend hands Gloo Python-free
+        # aliases instead, tests/python/test_faults_exit_stress.py). Seen in two
+        # fresh-clone CI runs: the ImageNet script's DDP control, and the timm
+        # script with pgd over the stock group (issue 25 asks to cover that case;
+        # not done yet). Every result was written: what this test checks is
+        # complete, so the abort is warned about, not hidden.
         warnings.warn(f"{script}: a rank aborted at exit in torch's stock Gloo after writing its "
                       f"results (exit codes {[p.returncode for p, _ in procs]})")
     return [json.loads((out_dir / f"result_rank{r}.json").read_text()) for r in range(world_size)]
