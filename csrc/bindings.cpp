@@ -9,6 +9,7 @@
 #include "capture_policy.h"
 #include "graph_safe_backend.h"
 #include "iteration_stats.h"
+#include "input_guard.h"
 #include "param_watch.h"
 #include "replay_watchdog.h"
 #include "terminate_report.h"
@@ -347,5 +348,6 @@ PYBIND11_MODULE(_C, m) {
   bind_backend(m);
   bind_watchdog(m);
   bind_param_watch(m);
+  bind_input_guard(m);
   install_terminate_report();
 }

@@ -70,6 +70,18 @@ std::vector<int64_t> ParamWatch::not_views() const {
   return out;
 }
 
+int64_t ParamWatch::clear_grads() const {
+  int64_t cleared = 0;
+  for (const auto& p : params_) {
+    auto& grad = const_cast<at::Tensor&>(p).mutable_grad();
+    if (grad.defined()) {
+      grad = at::Tensor();
+      ++cleared;
+    }
+  }
+  return cleared;
+}
+
 void bind_param_watch(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<ParamWatch, std::shared_ptr<ParamWatch>>(
@@ -84,6 +96,8 @@ void bind_param_watch(pybind11::module_& m) {
       .def("all_grads_none", &ParamWatch::all_grads_none, "Whether no parameter has a .grad.")
       .def("not_views", &ParamWatch::not_views,
            "Indices of the trainable parameters whose .grad is not their bucket view.")
+      .def("clear_grads", &ParamWatch::clear_grads,
+           "Every parameter's .grad set to None (zero_grad(set_to_none=True)); returns how many.")
       .def("__len__", &ParamWatch::size);
 }
 

@@ -34,6 +34,10 @@ class ParamWatch {
   // Indices of the trainable parameters whose .grad is not their bucket view
   // (empty in the steady state of a tier-2 accumulation).
   std::vector<int64_t> not_views() const;
+  // Every parameter's .grad set to None, as Optimizer.zero_grad(set_to_none=True)
+  // does for these parameters, without its per-parameter Python loop and
+  // profiler range. Returns how many were set.
+  int64_t clear_grads() const;
   size_t size() const { return params_.size(); }
 
  private:

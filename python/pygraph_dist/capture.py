@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from . import agreement, kernels
 from ._ext import C, NOT_CAPTURABLE_TAG
 from .graph_cache import GraphCache, GraphEntry, discard
-from .optim import snapshot_hyperparams
+from .optim import group_versions, snapshot_hyperparams
 from .reducer import BucketCaptureError, GradientReducer
 from .spans import timed
 from .step import IterationStep
@@ -178,6 +178,7 @@ class GraphRunner:
         entry.n_collectives = len(fingerprint) if fingerprint is not None else -1
         entry.pool_bytes = max(0, pool_bytes)
         entry.drift.hyperparams = snapshot_hyperparams(self.optimizer)
+        entry.drift.versions = group_versions(self.optimizer)
         entry.drift.params = self.reducer.param_state()
         entry.drift.state_version = state_version
         entry.policy.capture_succeeded()
@@ -272,11 +273,15 @@ class GraphRunner:
 
     def replay(self, entry: GraphEntry, leaves: list, *, iteration: int):
         """``leaves``: the call's flattened (args, kwargs), in the order of entry.static_leaves."""
-        copy_inputs(entry.static_leaves, leaves)
+        copy_inputs(entry, leaves)
         self.reducer.expose_grads()  # the user set them to None; the graph writes the views
         label = f"[{entry.description}] at iteration {iteration}"
-        self.launch(entry, label)
-        self.watchdog.after_replay(label, collectives=entry.collectives)
+        if entry.step_graph is None:  # one graph: launched and watched in one call
+            if not self.watchdog.replay([entry.graph], label, collectives=entry.collectives, arm=True):
+                self.watchdog.after_replay(label, collectives=entry.collectives)
+        else:
+            self.launch(entry, label)
+            self.watchdog.after_replay(label, collectives=entry.collectives)
         return entry.static_result
 
     # --------------------------------------------------------- selection
@@ -326,10 +331,15 @@ class GraphRunner:
 
 
 @timed("input copies")
-def copy_inputs(static_leaves: list, leaves: list) -> None:
+def copy_inputs(entry: GraphEntry, leaves: list | None) -> None:
     """The call's tensors into the graph's static inputs (a tensor that is
-    already the static buffer, as ``GraphedModule.static_inputs()`` hands out, is not copied)."""
-    for static, leaf in zip(static_leaves, leaves):
+    already the static buffer, as ``GraphedModule.static_inputs()`` hands out, is
+    not copied). ``leaves`` None: the call was matched by the entry's InputGuard,
+    which holds its tensors (fast_lane.py)."""
+    if leaves is None:
+        entry.guard.copy_pending()
+        return
+    for static, leaf in zip(entry.static_leaves, leaves):
         if isinstance(leaf, torch.Tensor) and leaf is not static:
             static.copy_(leaf, non_blocking=True)
 

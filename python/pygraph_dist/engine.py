@@ -59,6 +59,7 @@ from .compiled import CompileStats, disable_donated_buffers, is_compiled
 from .compiled import describe as describe_compile
 from .capture import SELECT_REPLAYS, GraphRunner
 from .evaluation import EvalGraphs
+from .fast_lane import ClearGrads, build_guard
 from .config import WrapConfig, check_sparse_support, sparse_param_names
 from .conformance import LoopConformanceError, LoopState, Mode, Stage  # noqa: F401 - re-exported
 from .graph_cache import GraphCache, GraphEntry
@@ -188,6 +189,12 @@ class Engine:
         self.closed = False
         self._entry: GraphEntry | None = None
         self._phase = None
+        # fast_lane.py: the entry whose InputGuard the next call is tried against
+        # (the last one replayed), and zero_grad in one C++ call.
+        self._guarded: GraphEntry | None = None
+        self._guards = not config.pad_batch_to
+        self._clear_grads = ClearGrads(optimizer, self.step.optimizer_class, self.reducer.watch,
+                                       self.reducer.params)
 
         if self.opt_plan.changes and self.rank == 0:
             logger.info("optimizer %s reconfigured for capture: %s", self.step.optimizer_class.__name__,
@@ -272,17 +279,27 @@ class Engine:
             # forward and backward graphed when this step's first call was (tier 2).
             self.loop.model_called(in_no_sync=not self.require_sync)
             if self._split_step is not None:
-                leaves, spec = _flatten((args, kwargs))
-                entry = self.cache.find(*self._signature(args, kwargs, leaves, spec), self._ambient())
+                entry, leaves = self._guard_match(args, kwargs), None
+                if entry is None:
+                    leaves, spec = _flatten((args, kwargs))
+                    entry = self.cache.find(*self._signature(args, kwargs, leaves, spec), self._ambient())
                 out = self._split_forward(entry, leaves) if entry is not None else None
                 if out is not None:
                     return out
             return self._user_forward(args, kwargs, probe=self._phase == Phase.PROBE)
         self.loop.model_called(in_no_sync=not self.require_sync)
         self.iteration += 1
-        args, kwargs = self.cache.pad(args, kwargs)
-        leaves, spec = _flatten((args, kwargs))
-        entry = self._entry_for(*self._signature(args, kwargs, leaves, spec))
+        # The entry replayed last accepts this call (its InputGuard: fast_lane.py),
+        # or the call's key is built and looked up. leaves None: the guard holds
+        # the call's tensors, copied by the replay.
+        entry, leaves = self._guard_match(args, kwargs), None
+        if entry is None:
+            args, kwargs = self.cache.pad(args, kwargs)
+            leaves, spec = _flatten((args, kwargs))
+            masked, spec = self._signature(args, kwargs, leaves, spec)
+            entry = self._entry_for(masked, spec)
+            if entry.policy.phase == Phase.REPLAY and self._guards:
+                self._guard(entry, args, kwargs, masked)
         if entry.policy.phase == Phase.REPLAY:
             drift = self.cache.drift(entry, self.reducer, self.optimizer,
                                      self.opt_plan.lr_tensors, self.opt_state_version)
@@ -293,6 +310,8 @@ class Engine:
         phase = entry.policy.begin_iteration()
         self._entry, self._phase = entry, phase
         entry.last_used = self.iteration
+        if leaves is None and phase != Phase.REPLAY:  # drift: the long way from here
+            leaves, _ = _flatten((args, kwargs))
 
         if phase in (Phase.PROBE, Phase.EAGER):
             return self._user_forward(args, kwargs, probe=phase == Phase.PROBE)
@@ -316,6 +335,23 @@ class Engine:
         if len(entry.replay_times) >= SELECT_REPLAYS:
             self.runner.select(entry, iteration=self.iteration)
         return self._hand_out(loss)
+
+    def _guard_match(self, args: tuple, kwargs: dict) -> GraphEntry | None:
+        """The entry replayed last, if this call has its signature (InputGuard)."""
+        entry = self._guarded
+        if entry is None or entry.guard is None or entry.guard_for is not entry.static_leaves:
+            return None
+        if not entry.guard.match(args, kwargs) or self._ambient() != entry.key[2]:
+            return None
+        return entry
+
+    def _guard(self, entry: GraphEntry, args: tuple, kwargs: dict, masked: list) -> None:
+        """Make ``entry`` the one the next call is tried against, with a guard
+        for its current static inputs (a capture replaces them)."""
+        if entry.guard_for is not entry.static_leaves:
+            entry.guard = build_guard(args, kwargs, masked, entry.static_leaves)
+            entry.guard_for = entry.static_leaves
+        self._guarded = entry
 
     def _invalidate(self, entry: GraphEntry, drift: str) -> None:
         """Release ``entry``'s graphs for ``drift``; a hyperparameter the graphs
@@ -501,6 +537,8 @@ class Engine:
         fresh = loss.detach().clone()
         fresh.requires_grad_(True)
         self.loop.handed_out(fresh)
+        if out is loss:
+            return fresh
         return map_outputs(out, lambda t: fresh if t is loss else t.detach().clone())
 
     def _on_backward_finished(self) -> None:
@@ -533,7 +571,7 @@ class Engine:
     def optimizer_zero_grad(self, set_to_none: bool = True) -> None:
         self.accum.zero_grad()
         self.loop.zero_grad_called()
-        if not self.loop.owned:
+        if not self.loop.owned and not self._clear_grads(set_to_none):
             with self.loop.unwatched():  # zero_grad() itself is judged by zero_grad_called()
                 self.step.optimizer_class.zero_grad(self.optimizer, set_to_none)
 

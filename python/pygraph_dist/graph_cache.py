@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ._ext import C
-from .optim import hyperparams_drift
+from .optim import group_versions, hyperparams_drift, same_versions
 from .reducer import decode_param_state
 from .spans import timed
 
@@ -39,6 +39,7 @@ class DriftSnapshot:
     hyperparams: list = field(default_factory=list)
     params: Any = None  # GradientReducer.param_state(): data pointers and requires_grad
     state_version: int = 0
+    versions: Any = None  # optim.group_versions() at capture: the param groups' change counts
 
 
 @dataclass
@@ -66,6 +67,10 @@ class GraphEntry:
     static: Any = None  # (args, kwargs) with device tensors
     static_leaves: list = field(default_factory=list)
     static_result: Any = None  # (loss, outputs) the graph writes
+    # fast_lane.py: the InputGuard of the static inputs in guard_for (a capture
+    # replaces the list, which retires the guard).
+    guard: Any = None
+    guard_for: Any = None
     # What the capture recorded.
     collectives: str = ""
     n_collectives: int = 0
@@ -203,7 +208,12 @@ class GraphCache:
                         "or p.data = ...)")
             if requires_grad != requires_grad0:
                 return "a parameter was frozen or unfrozen (requires_grad changed)"
-        return hyperparams_drift(optimizer, entry.drift.hyperparams, lr_tensors)
+        if same_versions(optimizer, entry.drift.versions):  # no group changed since the capture
+            return None
+        drift = hyperparams_drift(optimizer, entry.drift.hyperparams, lr_tensors)
+        if drift is None:  # changed, but back to what the graph baked in (or an lr adopted)
+            entry.drift.versions = group_versions(optimizer)
+        return drift
 
     def release(self, entry: GraphEntry) -> None:
         discard(entry.graph)

@@ -236,29 +236,90 @@ class WatchedParamGroup(dict):
     * any other key assigned a new value records the script line that did it,
       for the warning about hyperparameters a graph bakes in.
 
-    ``dict.update``/``setdefault`` bypass ``__setitem__``;
-    :func:`adopt_assigned_lrs` catches those at the next model call or step.
+    ``update``/``setdefault`` go through ``__setitem__``; a group dict replaced
+    in the list is caught by :func:`adopt_assigned_lrs` at the next model call
+    or step. ``version`` counts the changes a graph could miss (an lr written
+    into the device tensor is not one): an unchanged version is an unchanged
+    group, which spares the drift check its per-key comparisons.
     """
 
-    __slots__ = ("lr_tensor", "set_at")
+    __slots__ = ("lr_tensor", "set_at", "version")
 
     def __init__(self, group: dict, lr_tensor: torch.Tensor | None) -> None:
         super().__init__(group)
         self.lr_tensor = lr_tensor
         self.set_at: dict[str, str] = {}
+        self.version = 0
 
     def __setitem__(self, key, value) -> None:
         if key == "lr" and self.lr_tensor is not None and value is not self.lr_tensor \
                 and write_lr(self.lr_tensor, value):
             value = self.lr_tensor
-        elif key != "params" and key in self:
-            old = dict.get(self, key)
-            if old is not value and not _same(old, value):
-                self.set_at[key] = _user_line()
+        else:
+            old = dict.get(self, key, _MISSING)
+            if old is not value:
+                self.version += 1
+                if key != "params" and old is not _MISSING and not _same(old, value):
+                    self.set_at[key] = _user_line()
         dict.__setitem__(self, key, value)
+
+    def update(self, *args, **kwargs) -> None:
+        for k, v in dict(*args, **kwargs).items():
+            self[k] = v
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return dict.__getitem__(self, key)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def __delitem__(self, key) -> None:
+        self.version += 1
+        dict.__delitem__(self, key)
+
+    def pop(self, *args):
+        self.version += 1
+        return dict.pop(self, *args)
+
+    def popitem(self):
+        self.version += 1
+        return dict.popitem(self)
+
+    def clear(self) -> None:
+        self.version += 1
+        dict.clear(self)
 
     def __reduce__(self):  # pickled (deepcopy, torch.save of the optimizer) as a plain dict
         return (dict, (dict(self),))
+
+
+_MISSING = object()
+
+
+def group_versions(opt: torch.optim.Optimizer) -> tuple | None:
+    """Each param group with its ``version``, for :func:`same_versions`; None
+    unless every group is a WatchedParamGroup."""
+    groups = opt.param_groups
+    if not all(isinstance(g, WatchedParamGroup) for g in groups):
+        return None
+    return tuple((g, g.version) for g in groups)
+
+
+def same_versions(opt: torch.optim.Optimizer, versions: tuple | None) -> bool:
+    """Whether the param groups are the same dicts as in ``versions``, none
+    changed since: then nothing :func:`hyperparams_drift` compares changed."""
+    if versions is None:
+        return False
+    groups = opt.param_groups
+    if len(groups) != len(versions):
+        return False
+    for g, (g0, v0) in zip(groups, versions):
+        if g is not g0 or g.version != v0:
+            return False
+    return True
 
 
 def _same(a, b) -> bool:

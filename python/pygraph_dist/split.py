@@ -90,6 +90,11 @@ class _GraphedCall(torch.autograd.Function):
         return None, None
 
 
+def _raw_stream() -> int:
+    """The current CUDA stream of the current device, as its cudaStream_t."""
+    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+
+
 class _Call:
     """One replayed micro-batch: which backward graph its backward replays."""
 
@@ -97,7 +102,9 @@ class _Call:
 
     def __init__(self, split: SplitGraphs, entry: GraphEntry, sync: bool, label: str) -> None:
         self.split, self.entry, self.sync, self.label = split, entry, sync, label
-        self.stream = torch.cuda.current_stream()
+        # The raw handle: torch.cuda.current_stream() builds a Stream object
+        # through device lookups (~10 us, twice per micro-batch; issue 26).
+        self.stream = _raw_stream()
         self.done = False
 
     def backward(self, grads) -> None:
@@ -282,7 +289,7 @@ class SplitGraphs:
     def forward(self, entry: GraphEntry, leaves: list, *, sync: bool, label: str):
         """Replay the forward graph for this call; the module's outputs, as fresh
         tensors whose backward replays the backward graph."""
-        copy_inputs(entry.static_leaves, leaves)
+        copy_inputs(entry, leaves)
         self.reducer.enabled = sync
         self.graph_round = False  # a backward that raised never reached its callback
         self.reducer.outside_grad_error = None
@@ -328,9 +335,8 @@ class SplitGraphs:
         """End of the user's backward: the caller's stream after the graphs."""
         self.graph_round = False
         self.reducer.outside_grad_error = None
-        current = torch.cuda.current_stream()
-        if current != call.stream:
-            current.wait_stream(call.stream)
+        if _raw_stream() != call.stream:
+            torch.cuda.current_stream().wait_stream(torch.cuda.ExternalStream(call.stream))
         if call.sync:
             self.reducer.rounds += 1
         self.on_backward_finished()

@@ -124,11 +124,15 @@ class ReplayWatchdog:
 
     # ------------------------------------------------------------ the engine's calls
     @timed("launch")
-    def replay(self, graphs: Iterable[torch.cuda.CUDAGraph], label: str = "") -> None:
+    def replay(self, graphs: Iterable[torch.cuda.CUDAGraph], label: str = "", *,
+               collectives: str | None = None, arm: bool = False) -> bool:
         """Launch ``graphs`` in order on the current stream, without the GIL.
 
         With the native watchdog the launches are timed: one that blocks for
-        ``timeout_s`` (the launch queue full, the GPU not draining it) fires."""
+        ``timeout_s`` (the launch queue full, the GPU not draining it) fires.
+        ``arm``: the launches end an iteration, so do :meth:`after_replay`'s
+        work too, in the same call (one GIL release per replay instead of two);
+        returns whether that was done -- if not, call after_replay."""
         graphs = list(graphs)
         replay_graphs = getattr(C, "replay_graphs", None)
         # A graph captured with check_input_liveness has a Python-side check
@@ -136,9 +140,14 @@ class ReplayWatchdog:
         if replay_graphs is None or any(getattr(g, "_tracker", None) is not None for g in graphs):
             for g in graphs:
                 g.replay()
-            return
+            return False
         wd = self._ensure_native() if self.enabled and self.native else None
-        replay_graphs(graphs, wd, label, "", False)
+        arm_now = False
+        if arm and wd is not None and not self._closed:
+            self._count += 1
+            arm_now = self._count % self.every == 0
+        replay_graphs(graphs, wd, label, collectives or "", arm_now)
+        return arm and (wd is not None or not self.enabled or self._closed)
 
     @timed("watchdog")
     def after_replay(self, label: str, collectives: str | None = None) -> None:

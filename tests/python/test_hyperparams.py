@@ -54,9 +54,11 @@ def test_an_lr_that_bypassed_setitem_is_adopted():
     t = torch.zeros(())
     opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
     opt.param_groups[0] = WatchedParamGroup(opt.param_groups[0], t)
-    opt.param_groups[0].update(lr=0.3)  # dict.update does not call __setitem__
+    dict.update(opt.param_groups[0], lr=0.3)  # bypasses __setitem__ (WatchedParamGroup.update does not)
     adopt_assigned_lrs(opt, [t])
     assert opt.param_groups[0]["lr"] is t and math.isclose(float(t), 0.3, rel_tol=1e-6)
+    opt.param_groups[0].update(lr=0.4)  # through __setitem__: written at once
+    assert opt.param_groups[0]["lr"] is t and math.isclose(float(t), 0.4, rel_tol=1e-6)
 
 
 def test_watched_groups_pickle_as_plain_dicts():

@@ -1,0 +1,146 @@
+#include "input_guard.h"
+
+#include <pybind11/stl.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace pgd {
+
+namespace py = pybind11;
+
+InputGuard::InputGuard(py::object tmpl, std::vector<at::Tensor> statics)
+    : tmpl_(std::move(tmpl)), statics_(std::move(statics)) {}
+
+bool InputGuard::match(const py::handle& args, const py::handle& kwargs) {
+  pending_.clear();
+  // The template is the (args, kwargs) pair, as the call's pytree is.
+  PyObject* t = tmpl_.ptr();
+  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 2) {
+    return false;
+  }
+  const bool ok = walk(args, PyTuple_GET_ITEM(t, 0)) && walk(kwargs, PyTuple_GET_ITEM(t, 1));
+  if (!ok) {
+    pending_.clear();
+  }
+  return ok;
+}
+
+namespace {
+PyTypeObject* slot_type = nullptr;  // TensorSlot's Python type, set by bind_input_guard
+}  // namespace
+
+bool InputGuard::walk(const py::handle& obj, const py::handle& tmpl) {
+  PyObject* o = obj.ptr();
+  PyObject* t = tmpl.ptr();
+  if (Py_TYPE(t) == slot_type) {
+    const auto& slot = tmpl.cast<const TensorSlot&>();
+    if (slot.index < 0) {  // an ignored argument: any int or float (IgnoredArgs.mask)
+      return (PyLong_Check(o) || PyFloat_Check(o)) && !PyBool_Check(o);
+    }
+    if (!THPVariable_Check(o)) {
+      return false;
+    }
+    const at::Tensor& x = THPVariable_Unpack(o);
+    if (x.scalar_type() != slot.dtype || x.device().type() != slot.device_type ||
+        x.requires_grad() != slot.requires_grad || x.sizes() != c10::IntArrayRef(slot.sizes)) {
+      return false;
+    }
+    pending_.emplace_back(slot.index, x);
+    return true;
+  }
+  if (Py_TYPE(o) != Py_TYPE(t)) {  // exact type: a namedtuple is not a tuple, 1 is not 1.0
+    return false;
+  }
+  if (PyTuple_Check(t)) {
+    const Py_ssize_t n = PyTuple_GET_SIZE(t);
+    if (PyTuple_GET_SIZE(o) != n) {
+      return false;
+    }
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!walk(PyTuple_GET_ITEM(o, i), PyTuple_GET_ITEM(t, i))) {
+        return false;
+      }
+    }
+    return true;
+  }
+  if (PyList_Check(t)) {
+    const Py_ssize_t n = PyList_GET_SIZE(t);
+    if (PyList_GET_SIZE(o) != n) {
+      return false;
+    }
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!walk(PyList_GET_ITEM(o, i), PyList_GET_ITEM(t, i))) {
+        return false;
+      }
+    }
+    return true;
+  }
+  if (PyDict_Check(t)) {
+    if (PyDict_Size(o) != PyDict_Size(t)) {
+      return false;
+    }
+    PyObject* key = nullptr;
+    PyObject* value = nullptr;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(t, &pos, &key, &value)) {
+      PyObject* got = PyDict_GetItemWithError(o, key);  // borrowed
+      if (got == nullptr) {
+        PyErr_Clear();
+        return false;
+      }
+      if (!walk(got, value)) {
+        return false;
+      }
+    }
+    return true;
+  }
+  // A Python value the graph was captured with: the same type (checked above) and equal.
+  const int eq = PyObject_RichCompareBool(o, t, Py_EQ);
+  if (eq < 0) {
+    PyErr_Clear();
+    return false;
+  }
+  return eq == 1;
+}
+
+void InputGuard::copy_pending() {
+  for (auto& [i, x] : pending_) {
+    at::Tensor& s = statics_[static_cast<size_t>(i)];
+    if (!s.is_same(x)) {
+      s.copy_(x, /*non_blocking=*/true);
+    }
+  }
+  pending_.clear();
+}
+
+void bind_input_guard(py::module_& m) {
+  auto slot_class = py::class_<TensorSlot>(
+      m, "TensorSlot", "A tensor leaf of a captured call in an InputGuard template.");
+  slot_type = reinterpret_cast<PyTypeObject*>(slot_class.ptr());
+  slot_class
+      .def(py::init([](int64_t index, std::vector<int64_t> sizes, const py::object& dtype,
+                       const std::string& device_type, bool requires_grad) {
+             TORCH_CHECK(THPDtype_Check(dtype.ptr()), "TensorSlot: dtype must be a torch.dtype");
+             TensorSlot s;
+             s.index = index;
+             s.sizes = std::move(sizes);
+             s.dtype = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+             s.device_type = c10::Device(device_type).type();
+             s.requires_grad = requires_grad;
+             return s;
+           }),
+           py::arg("index"), py::arg("sizes"), py::arg("dtype"), py::arg("device_type"),
+           py::arg("requires_grad"))
+      .def_readonly("index", &TensorSlot::index);
+  py::class_<InputGuard, std::shared_ptr<InputGuard>>(
+      m, "InputGuard", "The steady-state signature check and input copy (csrc/input_guard.h).")
+      .def(py::init<py::object, std::vector<at::Tensor>>(), py::arg("template"),
+           py::arg("statics"))
+      .def("match", &InputGuard::match, py::arg("args"), py::arg("kwargs"),
+           "Whether the call matches the captured one (copies nothing).")
+      .def("copy_pending", &InputGuard::copy_pending,
+           "Copy the matched call's tensors into the static inputs.")
+      .def("__len__", &InputGuard::slots);
+}
+
+}  // namespace pgd

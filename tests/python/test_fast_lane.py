@@ -1,0 +1,235 @@
+"""The steady state's short path (issue 26, fast_lane.py): the InputGuard that
+replaces the signature lookup, zero_grad in one C++ call, and the param groups'
+change counts that spare the drift check its per-key comparisons.
+
+The guard must accept exactly the calls whose signature key is the captured
+call's (graph_cache.lookup): a call it wrongly accepts would replay a graph
+captured for other shapes or another Python value. The CPU tests compare the
+two over many call variants; the GPU tests run real loops and check that the
+steady state never builds a key, and stays bitwise equal to graphs=False.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+import pygraph_dist as pgd
+from pygraph_dist._ext import C
+from pygraph_dist.arguments import IGNORED
+from pygraph_dist.fast_lane import ClearGrads, build_guard
+from pygraph_dist.graph_cache import _leaf_key
+from pygraph_dist.optim import WatchedParamGroup, group_versions, same_versions
+
+from common import MLP, data, device, flat_params
+
+needs_guard = pytest.mark.skipif(not hasattr(C, "InputGuard"), reason="extension built without input_guard.cpp")
+Point = collections.namedtuple("Point", "x y")
+
+
+def _key(args, kwargs, ignored=()):
+    """graph_cache.lookup's key, with ``ignored`` positions masked as Engine._signature does."""
+    if ignored:
+        args = tuple(IGNORED if i in ignored else a for i, a in enumerate(args))
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    return spec, tuple(_leaf_key(x) for x in leaves)
+
+
+def _variants(x, y):
+    """Calls around (x, y, 3, flag=True): each differs from it in one way, or not at all."""
+    yield (x, y, 3), {"flag": True}
+    yield (x.clone(), y.clone(), 3), {"flag": True}  # other tensors, same key
+    yield (x[:2], y[:2], 3), {"flag": True}  # shape
+    yield (x.double(), y, 3), {"flag": True}  # dtype
+    yield (x.detach().requires_grad_(), y, 3), {"flag": True}  # requires_grad
+    yield (x, y, 4), {"flag": True}  # value
+    yield (x, y, 3.0), {"flag": True}  # type of an equal value
+    yield (x, y, True), {"flag": True}  # bool is not int
+    yield (x, y, 3), {"flag": 1}
+    yield (x, y, 3), {}  # kwargs missing
+    yield (x, y, 3), {"flag": True, "extra": 0}
+    yield (x, y), {"flag": True}  # arity
+    yield [x, y, 3], {"flag": True}  # container type
+    yield (x, y, 3, None), {"flag": True}
+    yield (x, y, None), {"flag": True}
+    yield (y, x, 3), {"flag": True}  # order
+    yield (x, Point(y, y), 3), {"flag": True}
+
+
+@needs_guard
+def test_the_guard_accepts_exactly_the_calls_with_the_captured_key():
+    x, y = torch.randn(4, 3), torch.randint(0, 3, (4,))
+    calls = list(_variants(x, y)) + [((x, Point(y, y), 3), {"flag": True}),
+                                      ((x, [y, {"k": y}], "s"), {}),
+                                      ((x, collections.OrderedDict(a=y), 2.5), {})]
+    checked = 0
+    for (a0, k0), (a1, k1) in itertools.product(calls, calls):
+        leaves0 = pytree.tree_leaves((a0, k0))
+        statics = [t.clone() if isinstance(t, torch.Tensor) else t for t in leaves0]
+        guard = build_guard(a0, k0, leaves0, statics)
+        assert guard is not None, (a0, k0)
+        want = _key(a0, k0) == _key(a1, k1)
+        assert guard.match(a1, k1) is want, ((a0, k0), (a1, k1))
+        checked += 1
+    assert checked == len(calls) ** 2
+
+
+@needs_guard
+def test_an_ignored_argument_takes_any_number_but_nothing_else():
+    x = torch.randn(2, 2)
+    guard = build_guard((x, 7), {}, [x, IGNORED], [x.clone(), 7])
+    assert guard.match((x, 8), {}) and guard.match((x, 0.5), {})
+    # IgnoredArgs.mask refuses these with a TypeError on the long path: not accepted here.
+    assert not guard.match((x, True), {}) and not guard.match((x, "8"), {}) and not guard.match((x, x), {})
+
+
+@needs_guard
+def test_matched_tensors_are_copied_into_the_static_inputs_only_on_request():
+    x, y = torch.randn(4, 3), torch.randn(4)
+    sx, sy = torch.zeros(4, 3), torch.zeros(4)
+    guard = build_guard((x, y), {}, [x, y], [sx, sy])
+    new_x = torch.full((4, 3), 2.0)
+    assert guard.match((new_x, sy), {})  # sy: the static input itself (static_inputs())
+    assert torch.count_nonzero(sx) == 0  # match copies nothing
+    guard.copy_pending()
+    assert torch.equal(sx, new_x) and torch.count_nonzero(sy) == 0
+    assert not guard.match((x[:1], y), {})
+    guard.copy_pending()  # nothing pending after a refused call
+    assert torch.equal(sx, new_x)
+
+
+@needs_guard
+def test_structures_the_guard_cannot_walk_get_none():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Batch:
+        x: torch.Tensor
+
+    if not hasattr(pytree, "register_dataclass"):
+        pytest.skip("this torch's pytree cannot register a dataclass")
+    pytree.register_dataclass(Batch)
+    try:
+        b = Batch(torch.randn(2))
+        leaves = pytree.tree_leaves(((b,), {}))
+        assert len(leaves) == 1  # a custom pytree node: compared by value in C++, so no guard
+        assert build_guard((b,), {}, leaves, [t.clone() for t in leaves]) is None
+    finally:
+        pytree._deregister_pytree_node(Batch) if hasattr(pytree, "_deregister_pytree_node") else None
+    x = torch.randn(2)
+    assert build_guard(([1], x), {}, [1], [1, x]) is None  # not the masked leaves of this call
+    assert build_guard(({"a": [1]}, x), {}, [{"a": [1]}, x], [{"a": [1]}, x]) is not None  # all containers
+
+
+# ----------------------------------------------------------------- zero_grad
+def test_clear_grads_sets_the_optimizers_gradients_to_none():
+    if not hasattr(C, "ParamWatch") or not hasattr(C.ParamWatch, "clear_grads"):
+        pytest.skip("extension built without ParamWatch.clear_grads")
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(4)]
+    watch = C.ParamWatch(params, [None] * 4)
+    opt = torch.optim.SGD(params, lr=0.1)
+    clear = ClearGrads(opt, torch.optim.SGD, watch, params)
+    for p in params[:3]:
+        p.grad = torch.ones(3)
+    assert clear(True) and all(p.grad is None for p in params)
+    params[0].grad = torch.ones(3)
+    assert not clear(False) and params[0].grad is not None  # set_to_none=False: torch's own
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))]})
+    assert not clear(True)  # a parameter the model does not own: torch's own
+    opt.param_groups.pop()
+    assert clear(True) and params[0].grad is None  # the same parameters again
+
+    class Mine(torch.optim.SGD):
+        def zero_grad(self, set_to_none=True):
+            super().zero_grad(set_to_none)
+
+    assert not ClearGrads(opt, Mine, watch, params)(True)  # a subclass's own zero_grad runs
+    subset = ClearGrads(torch.optim.SGD(params[:2], lr=0.1), torch.optim.SGD, watch, params)
+    assert not subset(True)  # the optimizer holds part of the model: torch's own
+
+
+# ------------------------------------------------------------- group versions
+def test_group_versions_count_the_changes_a_graph_could_miss():
+    t = torch.zeros(())
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, momentum=0.9)
+    opt.param_groups[0] = WatchedParamGroup(opt.param_groups[0], t)
+    v = group_versions(opt)
+    opt.param_groups[0]["lr"] = 0.5  # into the device tensor: not a change
+    opt.param_groups[0].update(lr=0.25)
+    assert same_versions(opt, v) and float(t) == 0.25
+    for change in (lambda g: g.__setitem__("momentum", 0.8), lambda g: g.update(momentum=0.7),
+                   lambda g: g.setdefault("new_key", 1), lambda g: g.pop("new_key"),
+                   lambda g: g.__ior__({"dampening": 0.1})):
+        change(opt.param_groups[0])
+        assert not same_versions(opt, v)
+        v = group_versions(opt)
+    opt.param_groups[0] = dict(opt.param_groups[0])  # a replaced dict
+    assert group_versions(opt) is None and not same_versions(opt, v)
+
+
+# ------------------------------------------------------------------- GPU runs
+def gpu_steady_state(loop="inside", steps=30):
+    """Count signature lookups in the steady state; compare with graphs=False."""
+    pgd.init()
+    rank = dist.get_rank()
+    dev = device()
+    F = torch.nn.functional
+    from pygraph_dist.graph_cache import GraphCache
+
+    class Logits(MLP):
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    lookups = []
+    original = GraphCache.lookup
+
+    def counting(self, *a, **k):
+        lookups.append(it)
+        return original(self, *a, **k)
+
+    GraphCache.lookup = counting
+
+    def run(graphs):
+        nonlocal it
+        torch.manual_seed(0)
+        base = (MLP if loop == "inside" else Logits)(width=32, depth=4).to(dev)
+        model, opt = pgd.wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-3, fused=True), graphs=graphs)
+        losses = []
+        for it in range(steps):
+            # A short batch at step 20 (a new signature), then the full size again.
+            x, y = data(it, rank, batch=8 if it == 20 else 16, device=dev)
+            opt.zero_grad(set_to_none=True)
+            loss = model(x, y) if loop == "inside" else F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.item()))
+        return flat_params(base), losses, pgd.report().models[-1]
+
+    it = 0
+    p_g, l_g, rep = run(True)
+    graphed_lookups = list(lookups)
+    p_e, l_e, _ = run(False)
+    GraphCache.lookup = original
+    g = rep.graphs[0]
+    return {"phase": g.phase, "tier": g.tier, "replays": sum(x.replays for x in rep.graphs),
+            "lookups": graphed_lookups, "bitwise": bool(torch.equal(p_g, p_e)),
+            "losses_equal": l_g == l_e, "report": str(pgd.report())}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loop", ["inside", "outside"])
+def test_the_steady_state_builds_no_signature_key(ranks, loop):
+    (r,) = ranks("test_fast_lane:gpu_steady_state", world_size=1, timeout=300, kwargs={"loop": loop})
+    assert r["phase"] == "replay" and r["tier"] == ("1" if loop == "inside" else "2"), r["report"]
+    assert r["bitwise"] and r["losses_equal"], r["report"]
+    # Keys are built until the first replay (probe, warm-up, capture), for the
+    # short batch at step 20, and for the first full batch after it; never in
+    # the steady state around them.
+    steady = [i for i in r["lookups"] if 10 <= i < 20 or i >= 22]
+    assert not steady, r["lookups"]
+    assert 20 in r["lookups"] and 21 in r["lookups"], r["lookups"]
