@@ -76,6 +76,7 @@ from torch.autograd import Variable
 
 from . import kernels
 from ._ext import C
+from .capture_guard import BucketCaptureError
 from .spans import timed
 
 logger = logging.getLogger("pygraph_dist")
@@ -85,15 +86,6 @@ DEFAULT_FIRST_BUCKET_MB = 1.0  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 
 class UnsupportedGradientError(RuntimeError):
     """A gradient the reducer cannot reduce (sparse where a dense one was planned, or the reverse)."""
-
-
-class BucketCaptureError(RuntimeError):
-    """A graph bucket's all-reduce failed while a graph was being captured."""
-
-    def __init__(self, bucket: int, cause: BaseException) -> None:
-        super().__init__(f"gradient bucket {bucket}: its all-reduce could not be captured: "
-                         f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
-        self.bucket = bucket
 
 
 GRAPH, EAGER, SPARSE = "graph", "eager", "sparse"
