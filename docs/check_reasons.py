@@ -87,7 +87,7 @@ SINKS: dict[str, str | tuple[int, ...]] = {
 PRODUCERS = (
     "graphs_available",        # _ext.py: why graphs are unavailable in this process
     "_why_no_graphs",          # engine.py: why this model cannot be graphed
-    "describe_capture_error",  # capture.py: a capture that raised
+    "describe_capture_error",  # capture_guard.py: a capture that raised
     "varying_paths",           # capture.py: parameters used in some iterations only
     "explain_mismatch",        # agreement.py: ranks captured different things
     "drift",                   # graph_cache.py: why a graph was invalidated

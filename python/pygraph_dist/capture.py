@@ -7,9 +7,11 @@ The life of a graph, as the engine drives it (each a visible branch of
    on the capture stream, so that cuBLAS workspaces, optimizer state and NCCL
    communicators are created outside the graph's pool.
 2. **capture** — :meth:`GraphRunner.capture`: the same iteration recorded with
-   ``torch.cuda.graph`` into the model's pool (thread-local capture mode, the
-   graph-safe backend recording the collective fingerprint); one graph, or
-   two segments with eager bucket reductions between them.
+   ``torch.cuda.graph`` into the model's pool (thread-local capture mode and
+   the RNG guards of :func:`capture_guard.capture_into`, the graph-safe
+   backend recording the collective fingerprint); one graph, or two segments
+   with eager bucket reductions between them. A capture that raised becomes a
+   reason through :func:`capture_guard.describe_capture_error`.
 3. **agree** — success, fingerprint and configuration digest, via
    :func:`pygraph_dist.agreement.agree`. Agreed: the graph is launched once to
    perform this iteration. Not agreed: every rank discards its graphs,
@@ -28,16 +30,15 @@ import contextlib
 import logging
 import time
 
-
 import torch
 import torch.utils._pytree as pytree
-from torch.overrides import TorchFunctionMode
 
 from . import agreement, kernels
-from ._ext import C, NOT_CAPTURABLE_TAG
+from ._ext import C
+from .capture_guard import _bucket_error, capture_into, describe_capture_error
 from .graph_cache import GraphCache, GraphEntry, discard
 from .optim import group_versions, snapshot_hyperparams
-from .reducer import BucketCaptureError, GradientReducer
+from .reducer import GradientReducer
 from .spans import timed
 from .step import IterationStep
 
@@ -355,118 +356,3 @@ def varying_paths(unused_seen: set) -> str:
             "forward pass takes data- or step-dependent paths, and a graph would replay one path "
             "for ever. Make the forward take the same path every iteration (a bucket cannot leave "
             "the graph for this: the forward itself would be frozen)")
-
-
-def _exception_chain(error: BaseException | None, limit: int = 6):
-    e, seen = error, 0
-    while e is not None and seen < limit:
-        yield e
-        e, seen = e.__cause__ or e.__context__, seen + 1
-
-
-def _bucket_error(error: BaseException | None) -> BucketCaptureError | None:
-    """The BucketCaptureError in ``error``'s chain, if a bucket's all-reduce caused it."""
-    return next((e for e in _exception_chain(error) if isinstance(e, BucketCaptureError)), None)
-
-
-class GraphUnsafeRNGError(RuntimeError):
-    """The captured iteration read or restored the CUDA RNG state on the host."""
-
-
-_RNG_STATE_FUNCTIONS = ("get_rng_state", "set_rng_state")
-
-
-def _refusing_while_capturing(name: str, original):
-    def guarded(*args, **kwargs):
-        if torch.cuda.is_current_stream_capturing():
-            raise GraphUnsafeRNGError(
-                f"{NOT_CAPTURABLE_TAG}torch.cuda.{name}() while capturing (torch.utils.checkpoint with "
-                "preserve_rng_state=True): a replay would restore the captured RNG state, so recomputed "
-                "dropout masks would not match the forward's. Use preserve_rng_state=False if the "
-                "checkpointed layers draw no random numbers; otherwise this trains eagerly")
-        return original(*args, **kwargs)
-
-    guarded.__wrapped__ = original
-    return guarded
-
-
-class _GeneratorGuard(TorchFunctionMode):
-    """While recording: refuse random draws from a CUDA generator other than
-    the device's default one. The capture registers the default generator
-    with the graph (its philox offset moves on at every replay); another
-    generator is not registered, so every replay would draw the very numbers
-    the capture drew."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        gen = kwargs.get("generator")
-        if isinstance(gen, torch.Generator) and gen.device.type == "cuda":
-            index = gen.device.index if gen.device.index is not None else torch.cuda.current_device()
-            if gen is not torch.cuda.default_generators[index]:
-                raise GraphUnsafeRNGError(
-                    f"{NOT_CAPTURABLE_TAG}{getattr(func, '__name__', 'a random op')}(generator=...) draws "
-                    "from a CUDA torch.Generator of your own inside the captured iteration: a graph "
-                    "replays the numbers it drew at capture (only the default generator's state moves "
-                    "on between replays). Use the default generator (torch.manual_seed seeds it), or "
-                    "this trains eagerly")
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def capture_into(graph, *, pool, stream, watch_generators: bool = False):
-    """``torch.cuda.graph`` as every capture here uses it, with the host-side
-    CUDA RNG state calls refused while it records.
-
-    ``torch.cuda.get_rng_state``/``set_rng_state`` copy the generator's seed and
-    offset to and from the host. A graph records neither: every replay would
-    draw from the offsets the capture saw, where the forward's own draws move
-    on (graph-safe philox offsets). ``torch.utils.checkpoint`` saves the state
-    in forward and restores it for the recomputation in backward, so a graphed
-    checkpointed layer with dropout would recompute with other masks than its
-    forward used: silently wrong gradients. Refusing makes the capture fail
-    with that reason, agreed by all ranks, and the iteration runs eagerly.
-    ``watch_generators``: the same for draws from a CUDA generator other than
-    the default one (``_GeneratorGuard``)."""
-    import torch.cuda.random as cuda_random
-
-    saved = [(module, name, getattr(module, name)) for module in (torch.cuda, cuda_random)
-             for name in _RNG_STATE_FUNCTIONS]
-    for module, name, original in saved:
-        setattr(module, name, _refusing_while_capturing(name, original))
-    try:
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"), \
-                (_GeneratorGuard() if watch_generators else contextlib.nullcontext()):
-            yield
-    finally:
-        for module, name, original in saved:
-            setattr(module, name, original)
-
-
-def describe_capture_error(error: BaseException | None) -> tuple[str, bool]:
-    """(reason, retryable) for a local capture failure."""
-    if error is None:
-        return "", True
-    bucket_error = _bucket_error(error)
-    if bucket_error is not None:
-        return str(bucket_error), True
-    # torch.cuda.graph.__exit__ ends the capture even when the body raised, so
-    # the error we catch may be capture_end's; the cause is in the chain.
-    chain = [f"{type(e).__name__}: {e}".strip() for e in _exception_chain(error, 4)]
-    text = "\n".join(chain)
-    first = chain[-1].splitlines()[0][:400] if chain else ""
-    if NOT_CAPTURABLE_TAG in text:
-        return first.replace(NOT_CAPTURABLE_TAG, "").strip(), False
-    lowered = text.lower()
-    if "not permitted when stream is capturing" in lowered or (
-        "capture" in lowered and ("invalidated" in lowered or "unsupported" in lowered)
-    ):
-        return (
-            "a host synchronisation happened during capture (e.g. .item(), .cpu(), nonzero, "
-            "boolean-mask indexing, a blocking copy, printing a tensor) in the model, the loss "
-            f"or the optimizer; CUDA said: {first}"
-        ), False
-    if "capturable is false" in lowered:
-        return f"the optimizer is not capturable: {first}", False
-    return first, True
-
-

@@ -45,7 +45,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._ext import C
-from .capture import describe_capture_error
+from .capture_guard import describe_capture_error
 from .graph_cache import GraphEntry, discard
 from .step import map_outputs
 

@@ -5,8 +5,8 @@ iterations 1-10, ``find_unused_parameters`` D2H copies, AccumulateGrad nodes
 pinned to the construction stream; reference notes §1.2, §1.4). This one is
 plain autograd hooks and c10d calls, so a capture records exactly its kernels:
 
-* parameters are planned into buckets by the torch-free core
-  (``plan_buckets``: reverse order, per dtype/device, first bucket small);
+* parameters are planned into buckets, each dense bucket one flat buffer
+  and each parameter a view of it (``bucket_layout.py``);
 * each parameter's post-accumulate-grad hook writes ``grad / world_size`` into
   its slot of the bucket's flat buffer (DDP multiplies by 1/world_size while
   copying, ``Reducer::mark_variable_ready_dense``; same arithmetic), except at
@@ -25,14 +25,9 @@ plain autograd hooks and c10d calls, so a capture records exactly its kernels:
   and every graph of the model shares the same gradient memory.
 
 With ``grad_comm_dtype=torch.bfloat16`` a bucket is sent as a bf16 copy: the
-hook writes ``grad * (1/world_size)`` straight into the bucket's bf16 buffer
-(the product is rounded once, as DDP's ``bf16_compress_hook`` rounds its
-cast; one pass over the gradient instead of two), and on CUDA a side stream
-waits for each bucket's all-reduce and casts it back into the fp32 bucket
-while backward goes on, so only the last bucket's cast-back is left at the
-end of backward. On CUDA both casts are vectorised Triton kernels
-(``kernels.py``): torch's mixed-dtype elementwise ops are unrolled kernels
-that made the bf16 path slower than fp32.
+hook writes ``grad * (1/world_size)`` straight into the bucket's bf16 buffer,
+and the sum is cast back into the fp32 bucket after the all-reduce, on CUDA
+on a side stream while backward goes on (``bucket_comm.py``).
 
 A parameter that produced no gradient in a backward pass contributes zeros to
 its bucket (its slot is cleared), and its ``.grad`` is still set to the
@@ -53,9 +48,7 @@ and eager and graphed training do the same arithmetic. Two kinds:
 
 * ``sparse``: the weight of ``nn.Embedding``/``nn.EmbeddingBag(sparse=True)``
   (planned alone, like DDP's ``expect_sparse_gradient``). Its gradient's
-  indices and values are all-gathered — sizes first, because the number of
-  entries may differ per rank — scaled by 1/world_size and coalesced.
-  NCCL cannot all-reduce sparse tensors, and the sizes exchange is a host
+  indices and values are all-gathered (``bucket_comm.reduce_sparse``): a host
   sync, so this cannot be captured.
 * ``eager``: a dense bucket whose all-reduce must not be captured (named in
   ``wrap(..., eager_params=...)``, or one whose collective failed capture).
@@ -76,6 +69,9 @@ from torch.autograd import Variable
 
 from . import kernels
 from ._ext import C
+from .bucket_comm import CastBack, Join, reduce_sparse
+from .bucket_layout import EAGER, GRAPH, SPARSE, plan_layout
+from .capture_guard import BucketCaptureError
 from .spans import timed
 
 logger = logging.getLogger("pygraph_dist")
@@ -85,18 +81,6 @@ DEFAULT_FIRST_BUCKET_MB = 1.0  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 
 class UnsupportedGradientError(RuntimeError):
     """A gradient the reducer cannot reduce (sparse where a dense one was planned, or the reverse)."""
-
-
-class BucketCaptureError(RuntimeError):
-    """A graph bucket's all-reduce failed while a graph was being captured."""
-
-    def __init__(self, bucket: int, cause: BaseException) -> None:
-        super().__init__(f"gradient bucket {bucket}: its all-reduce could not be captured: "
-                         f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
-        self.bucket = bucket
-
-
-GRAPH, EAGER, SPARSE = "graph", "eager", "sparse"
 
 
 class GradientReducer:
@@ -125,63 +109,21 @@ class GradientReducer:
                              f"those of module.named_parameters(), e.g. {self.names[:3]}")
         self.is_sparse = [n in sparse for n in self.names]
         self.sparse_params = [p for p, s in zip(self.params, self.is_sparse) if s]
-        devices = sorted({str(p.device) for p in self.params}, key=str)
-        self._device_code = {d: i for i, d in enumerate(devices)}
-        specs = [
-            C.ParamSpec(
-                p.numel(), p.element_size(), _dtype_code(p.dtype),
-                self._device_code[str(p.device)], p.requires_grad,
-                isolated=n in sparse or n in eager,
-            )
-            for n, p in zip(self.names, self.params)
-        ]
-        cap = max(1, int(bucket_cap_mb * 2**20))
-        first = max(1, int(min(first_bucket_cap_mb, bucket_cap_mb) * 2**20))
-        self.plan = C.plan_buckets(specs, cap, first)
-
-        # Dense buckets own a flat buffer; a sparse bucket has none (its
-        # gradient keeps its own indices and values).
-        self.buffers: list[torch.Tensor | None] = []
-        self.bucket_params: list[list[int]] = []
-        self.kinds: list[str] = []
+        layout = plan_layout(self.names, self.params, self.is_sparse, eager=eager,
+                             bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
+                             comm_dtype=comm_dtype, world_size=self.world_size)
+        self.plan = layout.plan
+        self.buffers, self.bucket_params, self.kinds = layout.buffers, layout.bucket_params, layout.kinds
+        self.comm_dtype, self.comm = layout.comm_dtype, layout.comm  # comm: bf16 send buffers
+        self.views, self.comm_views = layout.views, layout.comm_views  # per parameter
+        self.bucket_of = layout.bucket_of
         self.eager_reasons: dict[int, str] = {}
-        for b in self.plan.buckets:
-            p0 = self.params[b.params[0]]
-            sparse_bucket = self.is_sparse[b.params[0]]
-            self.buffers.append(None if sparse_bucket else torch.zeros(b.numel, dtype=p0.dtype, device=p0.device))
-            self.bucket_params.append(list(b.params))
-            self.kinds.append(SPARSE if sparse_bucket else GRAPH)
-        # bf16 compression: a persistent buffer per bucket (static for graphs):
-        # cast in, all-reduce, cast back into the fp32 bucket after the wait.
-        # At world size 1 nothing is sent: no casts, no rounding (as the
-        # 1/world_size multiply, skipped there too).
-        if comm_dtype is not None and self.world_size == 1:
-            logger.info("grad_comm_dtype=%s has no effect at world size 1: nothing is sent, the "
-                        "gradients stay in their own dtype", str(comm_dtype).replace("torch.", ""))
-            comm_dtype = None
-        self.comm_dtype = comm_dtype
-        self.comm: list[torch.Tensor | None] = [
-            torch.empty(buf.numel(), dtype=comm_dtype, device=buf.device)
-            if comm_dtype is not None and buf is not None and buf.is_floating_point()
-            and buf.element_size() > torch.empty((), dtype=comm_dtype).element_size() else None
-            for buf in self.buffers
-        ]
-        self.views: list[torch.Tensor | None] = [None] * len(self.params)
-        # Where a compressed bucket's hook writes grad / world_size (bf16).
-        self.comm_views: list[torch.Tensor | None] = [None] * len(self.params)
-        self.bucket_of: list[int] = list(self.plan.bucket_of_param)
-        for i, p in enumerate(self.params):
-            b = self.bucket_of[i]
-            if b >= 0 and self.buffers[b] is not None:
-                self.views[i] = _bucket_view(self.buffers[b], p, self.plan.offset_of_param[i])
-                if self.comm[b] is not None:
-                    self.comm_views[i] = _bucket_view(self.comm[b], p, self.plan.offset_of_param[i])
         # CUDA cast-backs overlap backward on a stream of their own (made here,
         # not during a capture).
         cuda_comm = [c for c in self.comm if c is not None and c.is_cuda]
         self._cast_stream = torch.cuda.Stream(cuda_comm[0].device) if cuda_comm else None
         # The casts as single vectorised passes (kernels.py), compiled now.
-        self.cast_backend = kernels.warm_up(cuda_comm[0].device, comm_dtype) if cuda_comm else "torch"
+        self.cast_backend = kernels.warm_up(cuda_comm[0].device, self.comm_dtype) if cuda_comm else "torch"
         for b, kind in enumerate(self.kinds):
             if kind == SPARSE:
                 self.eager_reasons[b] = "sparse gradient (all-gathered; NCCL has no sparse all-reduce)"
@@ -337,7 +279,7 @@ class GradientReducer:
         # The hooks already wrote grad / world_size into the bf16 buffer.
         work = dist.all_reduce(comm, group=self.group, async_op=True)
         if not (overlap and comm.is_cuda):
-            return _CastBack(work, comm, self.buffers[b])
+            return CastBack(work, comm, self.buffers[b])
         # On a side stream: wait for this bucket's all-reduce and cast it back
         # while backward computes the next buckets' gradients. The stream
         # backward runs on joins it at the end of backward (a fork and join
@@ -351,7 +293,7 @@ class GradientReducer:
             kernels.widen_into(comm, self.buffers[b])
             done = torch.cuda.Event()
             done.record(self._cast_stream)  # this bucket's cast-back, not the ones after it
-        return _Join(done, comm.device)
+        return Join(done, comm.device)
 
     def _finalize(self) -> None:
         """End of backward: reduce what is left, wait, expose the reduced grads."""
@@ -415,21 +357,9 @@ class GradientReducer:
             if self.kinds[b] == SPARSE:
                 i = self.bucket_params[b][0]
                 grad = sparse_grads[i] if sparse_grads is not None else self.params[i].grad
-                self.params[i].grad = self._reduce_sparse(i, grad)
+                self.params[i].grad = reduce_sparse(self.params[i], grad, self.world_size, self.group)
             else:
                 self._all_reduce(b, overlap=False).wait()
-
-    def _reduce_sparse(self, i: int, grad: torch.Tensor | None) -> torch.Tensor:
-        p = self.params[i]
-        if grad is None:  # unused on this rank: contributes nothing, still takes part
-            indices = torch.zeros(1, 0, dtype=torch.int64, device=p.device)
-            values = torch.zeros(0, *p.shape[1:], dtype=p.dtype, device=p.device)
-        else:
-            indices, values = grad._indices(), grad._values()
-        values = values * (1.0 / self.world_size)  # as dense gradients: scale, then sum
-        if self.world_size > 1:
-            indices, values = _all_gather_varying(indices, values, self.group)
-        return torch.sparse_coo_tensor(indices, values, p.shape).coalesce()
 
     def _warn_unused(self) -> None:
         """One message for the parameters first seen without a gradient in this
@@ -511,77 +441,3 @@ def decode_param_state(state: ParamState) -> tuple[list[int], list[bool]]:
         pairs = list(_PARAM_STATE.iter_unpack(state))
         return [p for p, _ in pairs], [bool(r) for _, r in pairs]
     return list(state[0]), list(state[1])
-
-
-class _CastBack:
-    """A compressed bucket's all-reduce: ``wait()`` waits, then writes the
-    reduced values back into the full-precision bucket (on the waiting stream)."""
-
-    __slots__ = ("work", "comm", "buffer")
-
-    def __init__(self, work, comm: torch.Tensor, buffer: torch.Tensor) -> None:
-        self.work, self.comm, self.buffer = work, comm, buffer
-
-    def wait(self):
-        self.work.wait()
-        kernels.widen_into(self.comm, self.buffer)
-        return True
-
-
-class _Join:
-    """An overlapped cast-back: ``wait()`` makes the waiting stream wait for this
-    bucket's cast-back on the side stream (an event recorded right after it)."""
-
-    __slots__ = ("event", "device")
-
-    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
-        self.event, self.device = event, device
-
-    def wait(self):
-        torch.cuda.current_stream(self.device).wait_event(self.event)
-        return True
-
-
-def _all_gather_varying(indices: torch.Tensor, values: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's (indices, values), concatenated in rank order; ranks may hold
-    different numbers of entries, so the counts go first and the rest is padded."""
-    world = dist.get_world_size(group)
-    n = torch.tensor([indices.shape[1]], dtype=torch.int64, device=indices.device)
-    counts_t = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(counts_t, n, group=group)
-    counts = torch.cat(counts_t).tolist()
-    most = max(counts)
-    pad = most - indices.shape[1]
-    if pad:
-        indices = torch.cat([indices, indices.new_zeros(indices.shape[0], pad)], dim=1)
-        values = torch.cat([values, values.new_zeros(pad, *values.shape[1:])], dim=0)
-    all_i = [torch.empty_like(indices) for _ in range(world)]
-    all_v = [torch.empty_like(values) for _ in range(world)]
-    dist.all_gather(all_i, indices.contiguous(), group=group)
-    dist.all_gather(all_v, values.contiguous(), group=group)
-    return (torch.cat([t[:, :c] for t, c in zip(all_i, counts)], dim=1),
-            torch.cat([t[:c] for t, c in zip(all_v, counts)], dim=0))
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    # Any stable integer per dtype will do: the planner only compares codes.
-    return _DTYPE_CODES.setdefault(dtype, len(_DTYPE_CODES))
-
-
-_DTYPE_CODES: dict[torch.dtype, int] = {}
-
-
-def _bucket_view(buffer: torch.Tensor, p: torch.Tensor, offset: int) -> torch.Tensor:
-    """A view of ``buffer`` shaped like ``p``, with ``p``'s strides when it is dense
-    (channels_last weights keep their layout, as DDP's bucket views do)."""
-    n = p.numel()
-    if p.is_contiguous() or not _dense_non_overlapping(p):
-        return buffer[offset : offset + n].view(p.shape)
-    return buffer.as_strided(p.shape, p.stride(), offset)
-
-
-def _dense_non_overlapping(t: torch.Tensor) -> bool:
-    if t.numel() == 0:
-        return True
-    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
-    return span == t.numel() and all(st >= 0 for st in t.stride())

@@ -49,7 +49,8 @@ import torch.utils._pytree as pytree
 from torch.autograd import Variable
 
 from . import agreement
-from .capture import _bucket_error, copy_inputs, describe_capture_error, varying_paths
+from .capture import copy_inputs, varying_paths
+from .capture_guard import _bucket_error, describe_capture_error
 from .graph_cache import GraphEntry, discard
 from .spans import timed
 from .step import map_outputs

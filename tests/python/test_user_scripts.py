@@ -206,7 +206,7 @@ SCRIPTS = {
     "hf_bert": hf_bert,
     "lightning_style": lightning_style,
     # Activation checkpointing that restores the RNG state for its recomputation
-    # cannot be replayed (capture.capture_into): eager, with the reason.
+    # cannot be replayed (capture_guard.capture_into): eager, with the reason.
     "hf_bert_checkpointed": functools.partial(hf_bert, checkpointing="default"),
     # Without dropout and without RNG state restores it is graphed.
     "hf_bert_checkpointed_no_rng": functools.partial(hf_bert, checkpointing="no_rng"),

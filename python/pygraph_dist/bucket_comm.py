@@ -1,0 +1,97 @@
+"""The bucket collectives that are more than one all-reduce: compressed and sparse.
+
+:class:`reducer.GradientReducer` all-reduces a plain dense bucket itself
+(``dist.all_reduce`` of its flat buffer, async). Two kinds of bucket need more,
+and what they need is here:
+
+* **compressed** (``grad_comm_dtype=torch.bfloat16``): the hook already wrote
+  ``grad * (1/world_size)`` straight into the bucket's bf16 send buffer (the
+  product is rounded once, as DDP's ``bf16_compress_hook`` rounds its cast;
+  one pass over the gradient instead of two). After the all-reduce the bf16
+  sum is cast back into the fp32 bucket: by :class:`CastBack` on the waiting
+  stream, or -- on CUDA, overlapped with the rest of backward -- on the
+  reducer's side stream, which the waiting stream joins through :class:`Join`
+  at the end of backward, so only the last bucket's cast-back is left there.
+  Both casts are vectorised Triton kernels on CUDA (``kernels.py``): torch's
+  mixed-dtype elementwise ops are unrolled kernels that made the bf16 path
+  slower than fp32.
+* **sparse** (the weight of ``nn.Embedding``/``nn.EmbeddingBag(sparse=True)``,
+  in a bucket of its own): :func:`reduce_sparse` all-gathers every rank's
+  indices and values -- sizes first, because the number of entries may differ
+  per rank -- scaled by 1/world_size and coalesced. NCCL cannot all-reduce
+  sparse tensors, and the sizes exchange is a host sync, so this runs
+  eagerly, after every graph bucket (``GradientReducer.reduce_eager``).
+
+Each ``wait()`` here, like a c10d work's, makes the *calling* stream wait.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import kernels
+
+
+class CastBack:
+    """A compressed bucket's all-reduce: ``wait()`` waits, then writes the
+    reduced values back into the full-precision bucket (on the waiting stream)."""
+
+    __slots__ = ("work", "comm", "buffer")
+
+    def __init__(self, work, comm: torch.Tensor, buffer: torch.Tensor) -> None:
+        self.work, self.comm, self.buffer = work, comm, buffer
+
+    def wait(self):
+        self.work.wait()
+        kernels.widen_into(self.comm, self.buffer)
+        return True
+
+
+class Join:
+    """An overlapped cast-back: ``wait()`` makes the waiting stream wait for this
+    bucket's cast-back on the side stream (an event recorded right after it)."""
+
+    __slots__ = ("event", "device")
+
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+        self.event, self.device = event, device
+
+    def wait(self):
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+        return True
+
+
+def reduce_sparse(p: torch.Tensor, grad: torch.Tensor | None, world_size: int, group) -> torch.Tensor:
+    """The mean over ranks of parameter ``p``'s sparse gradient ``grad`` (None:
+    unused on this rank), coalesced; every rank takes part."""
+    if grad is None:  # unused on this rank: contributes nothing, still takes part
+        indices = torch.zeros(1, 0, dtype=torch.int64, device=p.device)
+        values = torch.zeros(0, *p.shape[1:], dtype=p.dtype, device=p.device)
+    else:
+        indices, values = grad._indices(), grad._values()
+    values = values * (1.0 / world_size)  # as dense gradients: scale, then sum
+    if world_size > 1:
+        indices, values = _all_gather_varying(indices, values, group)
+    return torch.sparse_coo_tensor(indices, values, p.shape).coalesce()
+
+
+def _all_gather_varying(indices: torch.Tensor, values: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's (indices, values), concatenated in rank order; ranks may hold
+    different numbers of entries, so the counts go first and the rest is padded."""
+    world = dist.get_world_size(group)
+    n = torch.tensor([indices.shape[1]], dtype=torch.int64, device=indices.device)
+    counts_t = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(counts_t, n, group=group)
+    counts = torch.cat(counts_t).tolist()
+    most = max(counts)
+    pad = most - indices.shape[1]
+    if pad:
+        indices = torch.cat([indices, indices.new_zeros(indices.shape[0], pad)], dim=1)
+        values = torch.cat([values, values.new_zeros(pad, *values.shape[1:])], dim=0)
+    all_i = [torch.empty_like(indices) for _ in range(world)]
+    all_v = [torch.empty_like(values) for _ in range(world)]
+    dist.all_gather(all_i, indices.contiguous(), group=group)
+    dist.all_gather(all_v, values.contiguous(), group=group)
+    return (torch.cat([t[:, :c] for t, c in zip(all_i, counts)], dim=1),
+            torch.cat([t[:c] for t, c in zip(all_v, counts)], dim=0))
