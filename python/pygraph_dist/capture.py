@@ -37,7 +37,7 @@ from . import agreement, kernels
 from ._ext import C
 from .capture_guard import _bucket_error, capture_into, describe_capture_error
 from .graph_cache import GraphCache, GraphEntry, discard
-from .optim import group_versions, snapshot_hyperparams
+from .param_groups import group_versions, snapshot_hyperparams
 from .reducer import GradientReducer
 from .spans import timed
 from .step import IterationStep

@@ -64,7 +64,8 @@ from .config import WrapConfig, check_sparse_support, sparse_param_names
 from .conformance import LoopConformanceError, LoopState, Mode, Stage  # noqa: F401 - re-exported
 from .graph_cache import GraphCache, GraphEntry
 from .monitor import storage_ptr, watch_host_syncs
-from .optim import adopt_assigned_lrs, make_graph_aware, prepare_optimizer
+from .optim import make_graph_aware, prepare_optimizer
+from .param_groups import adopt_assigned_lrs
 from .reducer import GradientReducer
 from .spans import timed
 from .split import SplitGraphs, output_tensors
@@ -74,7 +75,7 @@ from .watchdog import ReplayWatchdog
 logger = logging.getLogger("pygraph_dist")
 
 Phase = C.Phase
-_BAKED = re.compile(r"param group (\d+): '([^']+)'")  # optim.hyperparams_drift's reasons
+_BAKED = re.compile(r"param group (\d+): '([^']+)'")  # param_groups.hyperparams_drift's reasons
 TORN_DOWN = "pygraph_dist was torn down (destroy_process_group or exit)"
 _flatten = timed("signature")(pytree.tree_flatten)  # spans.py: identity unless PYGRAPH_DIST_HOST_SPANS=1
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ._ext import C
-from .optim import group_versions, hyperparams_drift, same_versions
+from .param_groups import group_versions, hyperparams_drift, same_versions
 from .reducer import decode_param_state
 from .spans import timed
 

@@ -24,7 +24,7 @@ from pygraph_dist._ext import C
 from pygraph_dist.arguments import IGNORED
 from pygraph_dist.fast_lane import ClearGrads, build_guard
 from pygraph_dist.graph_cache import _leaf_key
-from pygraph_dist.optim import WatchedParamGroup, group_versions, same_versions
+from pygraph_dist.param_groups import WatchedParamGroup, group_versions, same_versions
 
 from common import MLP, data, device, flat_params
 

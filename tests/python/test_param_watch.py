@@ -19,7 +19,7 @@ import torch
 import pygraph_dist as pgd
 from pygraph_dist._ext import C
 from pygraph_dist.graph_cache import GraphEntry
-from pygraph_dist.optim import snapshot_hyperparams
+from pygraph_dist.param_groups import snapshot_hyperparams
 from pygraph_dist.reducer import decode_param_state
 
 pgd.init()
