@@ -226,7 +226,11 @@ def run_mode(mode: str, w: Workload, batch: int, replays: int, time_steps: int) 
     rec("start")
     bf16 = lambda: autocast_bf16(dev)  # noqa: E731
     buffers: dict = {}
-    module = build_on(dev, w.build)
+    side = torch.cuda.Stream() if mode in ("ddp_graph", "graph") else None
+    # The recipes build the model on their side stream (bench_scaling's GraphedDDP);
+    # pgd's and DDP's users build it on the default stream.
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        module = build_on(dev, w.build)
     params = [p for p in module.parameters()]
     buffers["parameters"] = _bytes(params)
 
@@ -264,11 +268,10 @@ def run_mode(mode: str, w: Workload, batch: int, replays: int, time_steps: int) 
         def run(b):
             return step_inside(model, opt, b, contextlib.nullcontext)
     elif mode in ("ddp_graph", "graph"):
-        side = torch.cuda.Stream()
         rec.side = side
         side.wait_stream(torch.cuda.current_stream())
-        static = [t.clone() for t in batches[0]]
         with torch.cuda.stream(side):
+            static = [t.clone() for t in batches[0]]
             if mode == "ddp_graph":
                 from torch.nn.parallel import DistributedDataParallel as DDP
 
