@@ -76,6 +76,16 @@ Definitions (nccl-tests conventions, NVIDIA/nccl-tests doc/PERFORMANCE.md):
               allocated when the row started (the data batches, and anything an
               earlier row left behind); mem_own_gib: peak - start per rank,
               the largest: the mode's own peak
+  rsv         peak torch.cuda.max_memory_reserved during the row (what the
+              caching allocator held from the driver: graph pools, cached
+              blocks and fragmentation included), max over ranks, GiB;
+              reserved_start_gib: reserved when the row started, after
+              empty_cache() (the data, and what earlier rows left: e.g. the
+              cuBLAS workspaces of every stream an earlier row computed on,
+              which torch keeps for the life of the process); rsv_own
+              (reserved_own_gib): peak - start per rank, the largest: the
+              mode's own peak, comparable between rows of one process. For
+              a fresh process per mode at N=1 see memory_breakdown.py
 
 The floor (benchmarks/floor.py, measured once per world size before the rows):
   floor       max(compute, comm) + optimizer, a lower bound on ms/it: compute =
@@ -636,6 +646,7 @@ def run_row(row: dict, plan: dict, ctx: dict) -> tuple[list[dict], bool]:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated(dev) / 2**30 if cuda else 0.0
+    start_reserved = torch.cuda.memory_reserved(dev) / 2**30 if cuda else 0.0
     mode = cls(w, row["loop"], batches, dev, group)
     status, reason = "ok", ""
     t0 = time.perf_counter()
@@ -690,13 +701,17 @@ def run_row(row: dict, plan: dict, ctx: dict) -> tuple[list[dict], bool]:
         if not healthy:
             break
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else 0.0
+    peak_reserved = torch.cuda.max_memory_reserved(dev) / 2**30 if cuda else 0.0
     peaks = [None] * ws
     if healthy:
-        dist.all_gather_object(peaks, (peak, start), group=group)
+        dist.all_gather_object(peaks, (peak, start, peak_reserved, start_reserved), group=group)
         for c in cells:
-            c["peak_mem_gib"] = max(p for p, _ in peaks)
-            c["mem_start_gib"] = max(s for _, s in peaks)
-            c["mem_own_gib"] = max(p - s for p, s in peaks)  # per rank, then the largest
+            c["peak_mem_gib"] = max(p[0] for p in peaks)
+            c["mem_start_gib"] = max(p[1] for p in peaks)
+            c["mem_own_gib"] = max(p[0] - p[1] for p in peaks)  # per rank, then the largest
+            c["peak_reserved_gib"] = max(p[2] for p in peaks)
+            c["reserved_start_gib"] = max(p[3] for p in peaks)
+            c["reserved_own_gib"] = max(p[2] - p[3] for p in peaks)  # per rank, then the largest
     done = {c["condition"] for c in cells}
     cells += [dict(base, condition=c, status="error", reason="not run: the process was unhealthy after an error")
               for c in conditions if c not in done]
@@ -938,7 +953,7 @@ COLUMNS = [  # (name, unit, width): the one header of the table
     ("ms/it", "ms", 8), ("p50", "ms", 8), ("p99", "ms", 8), ("CV", "%", 5), ("samples/s", "1/s", 9),
     ("speedup", "x", 7), ("eff", "%", 4), ("vs_in", "x", 5), ("skew", "ms", 6), ("floor", "ms", 7),
     ("x_floor", "x", 7), ("setup", "s", 6), ("mem", "GiB", 6),
-    ("start", "GiB", 6),
+    ("start", "GiB", 6), ("rsv", "GiB", 6), ("rsv_own", "GiB", 7),
 ]
 
 
@@ -958,7 +973,7 @@ def table(cells: list[dict], env: dict, floors: list[dict] | None = None) -> str
             "10-iteration window means of the per-iteration max over ranks;",
             "# speedup: ddp ms/it / ms/it (same loop, N, cond); eff: T(1)/T(N); vs_in: ms/it / inside-loop ms/it; "
             "skew: mean max-min over ranks; floor: max(compute, comm) + optimizer; x_floor: ms/it / floor; "
-            "mem: peak allocated in the row; start: allocated when it started",
+            "mem: peak allocated in the row; start: allocated when it started; rsv: peak reserved in the row; rsv_own: rsv - reserved at its start",
             "# " + _row_text([n for n, _, _ in COLUMNS]),
             "# " + _row_text([f"({u})" if u else "" for _, u, _ in COLUMNS])]
     lines = head
@@ -984,7 +999,8 @@ def table(cells: list[dict], env: dict, floors: list[dict] | None = None) -> str
             _fmt(c.get("scaling_efficiency"), "{:.0f}", 100), _fmt(c.get("vs_inside"), "{:.2f}"),
             f"{c['skew_ms']:.2f}", _fmt(c.get("floor_ms"), "{:.3f}"), _fmt(c.get("ratio_to_floor"), "{:.2f}"),
             f"{c['setup_s']:.1f}", f"{c.get('peak_mem_gib', 0):.2f}",
-            _fmt(c.get("mem_start_gib"), "{:.2f}")]) + ("  " + "; ".join(note) if note else ""))
+            _fmt(c.get("mem_start_gib"), "{:.2f}"), _fmt(c.get("peak_reserved_gib"), "{:.2f}"),
+            _fmt(c.get("reserved_own_gib"), "{:.2f}")]) + ("  " + "; ".join(note) if note else ""))
     if floors:
         lines += ["", floor_table(floors)]
     return "\n".join(lines)

@@ -18,11 +18,14 @@ plain autograd hooks and c10d calls, so a capture records exactly its kernels:
   every rank issues the same collectives in the same order whatever order its
   gradients arrive in (DDP's ``next_bucket_`` rule); NCCL runs it on its own
   stream, overlapped with the rest of backward;
+* once its gradient is in the bucket, each ``param.grad`` becomes a view
+  into its bucket (DDP's ``gradient_as_bucket_view``): no copy back, every
+  graph of the model shares the same gradient memory, and autograd's fresh
+  gradient is freed right away instead of living on next to the bucket
+  until the end of backward;
 * at the end of backward (an autograd final callback, which runs on the
-  stream backward was called from) the remaining buckets are launched, the
-  caller's stream waits for every all-reduce, and each ``param.grad`` becomes
-  a view into its bucket (DDP's ``gradient_as_bucket_view``) — no copy back,
-  and every graph of the model shares the same gradient memory.
+  stream backward was called from) the remaining buckets are launched and
+  the caller's stream waits for every all-reduce.
 
 With ``grad_comm_dtype=torch.bfloat16`` a bucket is sent as a bf16 copy: the
 hook writes ``grad * (1/world_size)`` straight into the bucket's bf16 buffer,
@@ -247,6 +250,18 @@ class GradientReducer:
                 torch.mul(grad, 1.0 / self.world_size, out=view)
             else:
                 view.copy_(grad)
+        if not grad.is_sparse and grad is not self.views[index]:
+            # The gradient now lives in its bucket: .grad becomes the view at
+            # once, so autograd's fresh gradient is freed here, one parameter at
+            # a time, and its memory serves the rest of backward. Left in .grad
+            # until the end of backward, every fresh gradient stayed live next
+            # to its bucket: a second copy of all gradients at the end of every
+            # backward, in the capture's pool as in eager iterations (issue 26;
+            # the same values either way, so numerics are unchanged). Setting
+            # .grad in a post-accumulate-grad hook is what torch's
+            # optimizer-in-backward recipe does (nothing reads it after the hook,
+            # torch/csrc/autograd/functions/accumulate_grad.cpp).
+            param.grad = self.views[index]
         self._got_grad[index] = True
         b = self.bucket_of[index]
         self._ready[b] += 1
