@@ -227,9 +227,10 @@ def test_the_steady_state_builds_no_signature_key(ranks, loop):
     (r,) = ranks("test_fast_lane:gpu_steady_state", world_size=1, timeout=300, kwargs={"loop": loop})
     assert r["phase"] == "replay" and r["tier"] == ("1" if loop == "inside" else "2"), r["report"]
     assert r["bitwise"] and r["losses_equal"], r["report"]
-    # Keys are built until the first replay (probe, warm-up, capture), for the
-    # short batch at step 20, and for the first full batch after it; never in
-    # the steady state around them.
-    steady = [i for i in r["lookups"] if 10 <= i < 20 or i >= 22]
+    # Keys are built until the first replay (probe, warm-up, capture) and for
+    # the short batch at step 20, never in the steady state around it: the full
+    # batch at 21 matches the guard of the entry replayed last (the short batch
+    # only warmed up, so the guard stayed with the full-size graph).
+    steady = [i for i in r["lookups"] if 10 <= i < 20 or i >= 21]
     assert not steady, r["lookups"]
-    assert 20 in r["lookups"] and 21 in r["lookups"], r["lookups"]
+    assert 20 in r["lookups"], r["lookups"]
