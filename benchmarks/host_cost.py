@@ -20,6 +20,12 @@ Modes (the user's loop; each row is (mode, layers)):
                 between backward and step
   pgd_accum4    pgd_tier2 over 4 micro-batches of 2 rows, the first 3 inside
                 model.no_sync(), loss / 4
+  callables     torch's own tier-2 recipe, by hand: the bare net through
+                torch.cuda.make_graphed_callables (a forward and a backward graph
+                behind an autograd.Function), the pgd_tier2 loop, AdamW(fused)
+                stepping eagerly. The floor of any loop that computes its loss
+                outside the graphs: the user's loss, autograd's backward pass and
+                the step's launches are all in it
   eager         the bare net, plain (no DDP: one process, nothing to reduce),
                 the pgd_tier2 loop; AdamW fused
 
@@ -72,11 +78,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 WIDTH, CLASSES, BATCH, ACCUM, CLIP_NORM, LR, BATCHES = 256, 10, 8, 4, 1.0, 1e-4, 8
-ALL_MODES = ["hand", "pgd_tier1", "pgd_tier2", "pgd_clip", "pgd_accum4", "eager"]
-GPU_ONLY = {"hand"}
+ALL_MODES = ["hand", "pgd_tier1", "callables", "pgd_tier2", "pgd_clip", "pgd_accum4", "eager"]
+GPU_ONLY = {"hand", "callables"}
 LABELS = {
     "hand": "hand-written whole-iteration graph",
     "pgd_tier1": "pygraph_dist, loss in the module",
+    "callables": "torch.cuda.make_graphed_callables, loss outside, eager fused step",
     "pgd_tier2": "pygraph_dist, loss outside",
     "pgd_clip": "pygraph_dist, loss outside + clip_grad_norm_",
     "pgd_accum4": "pygraph_dist, loss outside, 4 micro-batches (no_sync)",
@@ -192,6 +199,12 @@ class Mode:
         opt = self.adamw(net.parameters())
         if self.name == "eager":
             self.model, self.opt, self.fn = net, opt, loop_outside
+            return
+        if self.name == "callables":
+            import torch
+
+            graphed = torch.cuda.make_graphed_callables(net, (self.batches[0][0].clone(),))
+            self.model, self.opt, self.fn = graphed, opt, loop_outside
             return
         import pygraph_dist as pgd
 
@@ -356,7 +369,7 @@ def add_deltas(rows: list[dict]) -> None:
             r["host_vs_hand_us"] = r["host_us"] - hand["host_us"]
             r["wall_vs_hand_ms"] = r["wall_ms"] - hand["wall_ms"]
         t1 = ref.get((r["layers"], "pgd_tier1"))
-        if t1 is not None and r["mode"].startswith("pgd"):
+        if t1 is not None and (r["mode"].startswith("pgd") or r["mode"] == "callables"):
             r["host_vs_tier1_us"] = r["host_us"] - t1["host_us"]
 
 
