@@ -41,7 +41,9 @@ def _breakdown(tmp_path, model: str) -> dict:
     out = tmp_path / f"{model}.json"
     p = _run("--model", model, "--modes", "ddp_graph,pgd", "--replays", "3", "--time-steps", "5",
              "--out", str(out), timeout=900)
-    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    errors = ([r["error"] for r in json.loads(out.read_text())["modes"] if "error" in r]
+              if out.exists() else [])
+    assert p.returncode == 0, (errors, p.stdout[-2000:], p.stderr[-3000:])
     return {r["mode"]: r for r in json.loads(out.read_text())["modes"]}
 
 
