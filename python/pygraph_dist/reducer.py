@@ -74,7 +74,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from . import kernels
+from . import collectives, kernels
 from ._ext import C
 from .spans import timed
 
@@ -333,9 +333,9 @@ class GradientReducer:
     def _all_reduce(self, b: int, *, overlap: bool = True):
         comm = self.comm[b]
         if comm is None:
-            return dist.all_reduce(self.buffers[b], group=self.group, async_op=True)
+            return collectives.all_reduce(self.buffers[b], group=self.group, async_op=True)
         # The hooks already wrote grad / world_size into the bf16 buffer.
-        work = dist.all_reduce(comm, group=self.group, async_op=True)
+        work = collectives.all_reduce(comm, group=self.group, async_op=True)
         if not (overlap and comm.is_cuda):
             return _CastBack(work, comm, self.buffers[b])
         # On a side stream: wait for this bucket's all-reduce and cast it back
@@ -548,7 +548,7 @@ def _all_gather_varying(indices: torch.Tensor, values: torch.Tensor, group) -> t
     world = dist.get_world_size(group)
     n = torch.tensor([indices.shape[1]], dtype=torch.int64, device=indices.device)
     counts_t = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(counts_t, n, group=group)
+    collectives.all_gather(counts_t, n, group=group)
     counts = torch.cat(counts_t).tolist()
     most = max(counts)
     pad = most - indices.shape[1]
@@ -557,8 +557,8 @@ def _all_gather_varying(indices: torch.Tensor, values: torch.Tensor, group) -> t
         values = torch.cat([values, values.new_zeros(pad, *values.shape[1:])], dim=0)
     all_i = [torch.empty_like(indices) for _ in range(world)]
     all_v = [torch.empty_like(values) for _ in range(world)]
-    dist.all_gather(all_i, indices.contiguous(), group=group)
-    dist.all_gather(all_v, values.contiguous(), group=group)
+    collectives.all_gather(all_i, indices.contiguous(), group=group)
+    collectives.all_gather(all_v, values.contiguous(), group=group)
     return (torch.cat([t[:, :c] for t, c in zip(all_i, counts)], dim=1),
             torch.cat([t[:c] for t, c in zip(all_v, counts)], dim=0))
 
