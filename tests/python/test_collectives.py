@@ -69,7 +69,7 @@ def same_as_torch(backend: str = "gloo", capture: int = 0) -> dict:
         torch.cuda.current_stream().wait_stream(s)
         y.fill_(float(rank + 1))
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # as capture.py captures
             coll.all_reduce(y, async_op=True).wait()
         y.fill_(float(rank + 1))
         graph.replay()
