@@ -116,7 +116,7 @@ def test_pygraph_dist_collectives_over_stock_gloo_hold_no_python_objects(tmp_pat
         assert res["backend"] == "gloo", res
         assert res["values_ok"] and control["values_ok"], (res, control)
         assert (res["held_tls"], res["held_mode"], res["held_tensor"]) == (0, 0, 0), (res, control)
-        assert control["held_tensor"] == control["tracks"], control  # what the fix removes
+        assert control["held_tls"] == 1 and control["held_tensor"] == control["tracks"], control  # what it removes
         assert res["gather_versions"] == control["gather_versions"], (res, control)
         assert res["input_version"] == control["input_version"], (res, control)
 
