@@ -11,6 +11,7 @@
 #include "iteration_stats.h"
 #include "input_guard.h"
 #include "param_watch.h"
+#include "python_free.h"
 #include "replay_watchdog.h"
 #include "terminate_report.h"
 
@@ -214,6 +215,22 @@ void bind_backend(py::module_& m) {
       .def_property_readonly("recording", &GraphSafeBackend::recording)
       .def_property_readonly("collectives_issued", &GraphSafeBackend::collectives_issued)
       .def_property_readonly("collectives_captured", &GraphSafeBackend::collectives_captured);
+
+  // pygraph_dist's own collectives over a process group whose backend is not
+  // ours (csrc/python_free.h); python/pygraph_dist/collectives.py builds the
+  // options as torch.distributed does and calls these. The GIL is released as
+  // torch's ProcessGroup bindings release it; the argument casters, which hold
+  // the caller's tensors, are destroyed with it held.
+  using gil_release = py::call_guard<py::gil_scoped_release>;
+  m.def("python_free_allreduce", &python_free_allreduce, py::arg("group"), py::arg("tensors"),
+        py::arg("opts"), gil_release(),
+        "group.allreduce(tensors, opts), its Work holding no Python object.");
+  m.def("python_free_broadcast", &python_free_broadcast, py::arg("group"), py::arg("tensors"),
+        py::arg("opts"), gil_release(),
+        "group.broadcast(tensors, opts), its Work holding no Python object.");
+  m.def("python_free_allgather", &python_free_allgather, py::arg("group"), py::arg("outputs"),
+        py::arg("inputs"), py::arg("opts"), gil_release(),
+        "group.allgather(outputs, inputs, opts), its Work holding no Python object.");
 }
 
 template <typename T>

@@ -4,9 +4,9 @@
 #include <utility>
 #include <vector>
 
-#include <ATen/ThreadLocalPythonObjects.h>
-#include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
+
+#include "python_free.h"
 
 #ifdef PGD_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -73,97 +73,6 @@ std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& list
 int op_code(const c10d::ReduceOp& op) {
   return static_cast<int>(op.op_);
 }
-
-// Hides the Python objects torch keeps in C++ thread-local storage
-// (at::impl::ThreadLocalPythonObjects) from the wrapped backend while it is
-// called. torch's backward stashes contextvars.copy_context() there for its
-// whole duration (torch/autograd/graph.py, _engine_run_backward), and our
-// reducer issues the bucket all-reduces from gradient hooks during backward.
-// ProcessGroupGloo's AsyncWork captures the caller's at::ThreadLocalState,
-// those objects included, and the last reference to a Work is often dropped
-// by a Gloo worker thread, whose ~SafePyObject then takes the GIL. During
-// interpreter finalization CPython ends such a thread with pthread_exit; the
-// unwinding meets noexcept destructors and calls std::terminate ("terminate
-// called without an active exception" after Python finished, issue 13 item 4;
-// native stack: pt_gloo_runloop, ~AsyncAllreduceWork, ~ThreadLocalState,
-// ~SafePyObject, gil_scoped_acquire, pthread_exit). The collective itself
-// never reads these objects. Saving and restoring copies shared_ptrs only:
-// no Python refcount changes, no GIL.
-class PythonTlsObjectsHidden {
- public:
-  PythonTlsObjectsHidden() : saved_(at::impl::ThreadLocalPythonObjects::get_state()) {
-    at::impl::ThreadLocalPythonObjects::set_state(at::impl::ThreadLocalPythonObjects());
-  }
-  ~PythonTlsObjectsHidden() { at::impl::ThreadLocalPythonObjects::set_state(std::move(saved_)); }
-  PythonTlsObjectsHidden(const PythonTlsObjectsHidden&) = delete;
-  PythonTlsObjectsHidden& operator=(const PythonTlsObjectsHidden&) = delete;
-
- private:
-  at::impl::ThreadLocalPythonObjects saved_;
-};
-
-// Hands the wrapped CPU backend aliases of the caller's tensors that have no
-// Python object, for the duration of the call, and puts the caller's tensors
-// back afterwards. In current torch (2.13's c10/util/intrusive_ptr.h) a TensorImpl
-// with a Python object increfs it when a second C++ reference appears and
-// decrefs it -- taking the GIL -- when that reference goes. A Gloo Work holds
-// its tensors until a Gloo worker thread drops it; if that happens while the
-// interpreter is finalizing (an error inside backward, with bucket
-// all-reduces still in flight, then exit), CPython ends the thread with
-// pthread_exit and the unwinding through noexcept destructors calls
-// std::terminate (CI, 2026-11-23: pt_gloo_runloop, TensorImpl::decref_pyobject,
-// PyEval_RestoreThread, pthread_exit). An alias is a new TensorImpl over the
-// same storage: the collective reads and writes the caller's memory, and the
-// worker thread drops a tensor no Python object knows. (The storage is shared;
-// pygraph_dist never creates Python objects for its buckets' storages.)
-// CUDA tensors are left alone: NCCL's Works are released by its watchdog,
-// which the process group joins when it is destroyed.
-class PythonFreeArgs {
- public:
-  PythonFreeArgs() = default;
-  ~PythonFreeArgs() {
-    for (auto& [slot, original] : saved_) {
-      *slot = std::move(original);
-    }
-  }
-  PythonFreeArgs(const PythonFreeArgs&) = delete;
-  PythonFreeArgs& operator=(const PythonFreeArgs&) = delete;
-
-  PythonFreeArgs& operator()() { return *this; }
-  PythonFreeArgs& operator()(at::Tensor& t) {
-    if (aliasable(t)) {
-      auto impl = c10::make_intrusive<c10::TensorImpl>(
-          c10::Storage(t.storage()), t.key_set(), t.dtype());
-      impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
-      saved_.emplace_back(&t, t);
-      t = at::Tensor(std::move(impl));
-    }
-    return *this;
-  }
-  PythonFreeArgs& operator()(std::vector<at::Tensor>& ts) {
-    for (auto& t : ts) {
-      (*this)(t);
-    }
-    return *this;
-  }
-  PythonFreeArgs& operator()(std::vector<std::vector<at::Tensor>>& lists) {
-    for (auto& l : lists) {
-      (*this)(l);
-    }
-    return *this;
-  }
-
- private:
-  // Plain dense CPU tensors only: CUDA, sparse ones, tensor subclasses (Python
-  // dispatch key) and lazily conjugated/negated views go to the backend as they are.
-  static bool aliasable(const at::Tensor& t) {
-    return t.defined() && t.layout() == c10::kStrided && t.has_storage() &&
-        !t.key_set().has(c10::DispatchKey::Python) && !t.is_conj() && !t.is_neg() &&
-        t.device().is_cpu();
-  }
-
-  std::vector<std::pair<at::Tensor*, at::Tensor>> saved_;
-};
 
 // Every refusal of a call that cannot be captured: a c10::Error whose message
 // starts with kNotCapturableTag, which the engine turns into an eager fallback.

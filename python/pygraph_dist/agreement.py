@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import collectives
 from ._ext import C
 
 _MASK = (1 << 62) - 1  # digests are 62-bit so that -d fits in int64
@@ -72,7 +73,7 @@ def agree(
         d = int(d) & _MASK
         values += [d, -d]
     t = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    collectives.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     got = t.tolist()
     all_ok = got[0] == 1
     any_final = got[1] == -1
@@ -87,8 +88,7 @@ def agree(
         "digests": [int(d) & _MASK for d in digests],
         "details": details,
     }
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = collectives.all_gather_object(mine, group=group, device=device)
     if not all_ok:
         failed = [r for r in everyone if not r["ok"]]
         text = "; ".join(f"rank {r['rank']}: {r['reason']}" for r in failed)
@@ -100,7 +100,7 @@ def agree(
 def agreed_max(values: Sequence[int], *, group, device: torch.device) -> list[int]:
     """The element-wise maximum over ranks of ``values`` (integers)."""
     t = torch.tensor(list(values), dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    collectives.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [int(v) for v in t.tolist()]
 
 

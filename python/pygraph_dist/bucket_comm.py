@@ -1,7 +1,7 @@
 """The bucket collectives that are more than one all-reduce: compressed and sparse.
 
 :class:`reducer.GradientReducer` all-reduces a plain dense bucket itself
-(``dist.all_reduce`` of its flat buffer, async). Two kinds of bucket need more,
+(an all-reduce of its flat buffer, async, collectives.py). Two kinds of bucket need more,
 and what they need is here:
 
 * **compressed** (``grad_comm_dtype=torch.bfloat16``): the hook already wrote
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import kernels
+from . import collectives, kernels
 
 
 class CastBack:
@@ -82,7 +82,7 @@ def _all_gather_varying(indices: torch.Tensor, values: torch.Tensor, group) -> t
     world = dist.get_world_size(group)
     n = torch.tensor([indices.shape[1]], dtype=torch.int64, device=indices.device)
     counts_t = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(counts_t, n, group=group)
+    collectives.all_gather(counts_t, n, group=group)
     counts = torch.cat(counts_t).tolist()
     most = max(counts)
     pad = most - indices.shape[1]
@@ -91,7 +91,7 @@ def _all_gather_varying(indices: torch.Tensor, values: torch.Tensor, group) -> t
         values = torch.cat([values, values.new_zeros(pad, *values.shape[1:])], dim=0)
     all_i = [torch.empty_like(indices) for _ in range(world)]
     all_v = [torch.empty_like(values) for _ in range(world)]
-    dist.all_gather(all_i, indices.contiguous(), group=group)
-    dist.all_gather(all_v, values.contiguous(), group=group)
+    collectives.all_gather(all_i, indices.contiguous(), group=group)
+    collectives.all_gather(all_v, values.contiguous(), group=group)
     return (torch.cat([t[:, :c] for t, c in zip(all_i, counts)], dim=1),
             torch.cat([t[:c] for t, c in zip(all_v, counts)], dim=0))

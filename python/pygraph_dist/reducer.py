@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from . import kernels
+from . import collectives, kernels
 from ._ext import C
 from .bucket_comm import CastBack, Join, reduce_sparse
 from .bucket_layout import EAGER, GRAPH, SPARSE, plan_layout
@@ -290,9 +290,9 @@ class GradientReducer:
     def _all_reduce(self, b: int, *, overlap: bool = True):
         comm = self.comm[b]
         if comm is None:
-            return dist.all_reduce(self.buffers[b], group=self.group, async_op=True)
+            return collectives.all_reduce(self.buffers[b], group=self.group, async_op=True)
         # The hooks already wrote grad / world_size into the bf16 buffer.
-        work = dist.all_reduce(comm, group=self.group, async_op=True)
+        work = collectives.all_reduce(comm, group=self.group, async_op=True)
         if not (overlap and comm.is_cuda):
             return CastBack(work, comm, self.buffers[b])
         # On a side stream: wait for this bucket's all-reduce and cast it back

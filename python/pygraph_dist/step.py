@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
+from . import collectives
 from .amp import AmpConfig, ScaleGrad
 from .reducer import GradientReducer
 
@@ -335,7 +336,7 @@ class IterationStep:
             by_dtype[b.dtype].append(b)
         for tensors in by_dtype.values():
             flat = torch._utils._flatten_dense_tensors(tensors)
-            dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
+            collectives.broadcast(flat, group_src=0, group=self.group)
             if self.rank != 0:
                 torch._foreach_copy_(tensors, torch._utils._unflatten_dense_tensors(flat, tensors))
 
@@ -343,10 +344,9 @@ class IterationStep:
         """Start every rank from rank 0's parameters and buffers, as DDP does."""
         if self.world_size == 1:
             return
-        src = dist.get_global_rank(self.group, 0)
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
-                dist.broadcast(t.data, src=src, group=self.group)
+                collectives.broadcast(t.data, group_src=0, group=self.group)
 
 
 def find_loss(out) -> torch.Tensor | None:

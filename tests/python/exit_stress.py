@@ -29,8 +29,16 @@ The ways to end (``--modes`` picks a subset):
               while the interpreter finalizes (torch's stock Gloo aborts now and then: 1 in 16
               exits here, 5 in 16 in a module-level script)
 
-``--backend gloo`` runs torch's stock Gloo instead of pygraph_dist's wrapped one,
-for comparison.
+``--backend gloo``: the ranks make their own ``dist.init_process_group("gloo")``
+(env://) instead of ``pgd.init()``, as a script that only swaps DDP for
+``pgd.wrap()`` does: torch's stock Gloo, and the group created before
+torch._dynamo is imported (the optimizer imports it), so that
+``destroy_process_group()`` leaves its Gloo threads running into interpreter
+exit. What must not abort there is pygraph_dist's own collectives (its Works
+hold no Python object, python/pygraph_dist/collectives.py); after_wait issues
+its all-reduce through them. ``--user-collectives`` makes after_wait call
+``dist.all_reduce`` over the stock group instead: torch's own race, which
+pygraph_dist cannot reach (for comparison; expect aborts).
 """
 
 from __future__ import annotations
@@ -67,19 +75,27 @@ class _Lingering:
         time.sleep(0.3)
 
 
-def rank_main(mode: str, steps: int, backend: str = "pgd") -> None:
+def rank_main(mode: str, steps: int, backend: str = "pgd", user_collectives: bool = False) -> None:
     import torch
+    import torch.distributed as dist
     from torch import nn
 
     import pygraph_dist as pgd
 
-    pgd.init(backend="auto" if backend == "pgd" else backend)
-    import torch.distributed as dist
+    if backend == "pgd":
+        pgd.init(backend="auto")
+    else:
+        dist.init_process_group(backend)  # the script's own, from RANK, WORLD_SIZE, MASTER_*
 
     rank = dist.get_rank()
     if mode == "after_wait":
         x = torch.ones(1 << 16)
-        work = dist.all_reduce(x, async_op=True)
+        if backend == "pgd" or user_collectives:
+            work = dist.all_reduce(x, async_op=True)  # through pgd_gloo, or torch's own race
+        else:
+            from pygraph_dist import collectives
+
+            work = collectives.all_reduce(x, async_op=True)
         work.wait()
         del work  # a Gloo thread may still hold it, and drop it a moment later
         globals()["_linger"] = _Lingering(x)
@@ -142,10 +158,11 @@ def _env(rank: int, port: int) -> dict:
     return env
 
 
-def _start_job(mode: str, steps: int, timeout: float, backend: str):
+def _start_job(mode: str, steps: int, timeout: float, backend: str, user_collectives: bool):
     port = _free_port()
+    extra = ["--user-collectives"] if user_collectives else []
     procs = [subprocess.Popen(
-        [sys.executable, __file__, "--rank-mode", mode, "--steps", str(steps), "--backend", backend],
+        [sys.executable, __file__, "--rank-mode", mode, "--steps", str(steps), "--backend", backend, *extra],
         env=_env(rank, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=str(ROOT),
     ) for rank in range(2)]
     return {"mode": mode, "procs": procs, "deadline": time.monotonic() + timeout}
@@ -156,7 +173,7 @@ def _aborted(code: int, out: str) -> bool:
 
 
 def run(n: int, jobs: int, modes: tuple[str, ...], steps: int, timeout: float, verbose: bool,
-        backend: str = "pgd") -> dict:
+        backend: str = "pgd", user_collectives: bool = False) -> dict:
     """Run ``n`` process exits (``n // 2`` jobs of 2 ranks), ``jobs`` jobs at a time."""
     todo = [modes[i % len(modes)] for i in range((n + 1) // 2)]
     running: list[dict] = []
@@ -164,7 +181,7 @@ def run(n: int, jobs: int, modes: tuple[str, ...], steps: int, timeout: float, v
     t0 = time.monotonic()
     while todo or running:
         while todo and len(running) < jobs:
-            running.append(_start_job(todo.pop(0), steps, timeout, backend))
+            running.append(_start_job(todo.pop(0), steps, timeout, backend, user_collectives))
         time.sleep(0.05)
         for job in list(running):
             procs = job["procs"]
@@ -209,19 +226,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per job")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--backend", default="pgd", choices=["pgd", "gloo"],
-                    help="pygraph_dist's wrapped Gloo (default) or torch's stock Gloo, for comparison")
+                    help="pygraph_dist's wrapped Gloo through pgd.init() (default), or the ranks' own "
+                         "init_process_group with torch's stock Gloo")
+    ap.add_argument("--user-collectives", action="store_true",
+                    help="with --backend gloo: after_wait calls dist.all_reduce (torch's own race)")
     ap.add_argument("--rank-mode", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rank_mode:
-        rank_main(args.rank_mode, args.steps, args.backend)
+        rank_main(args.rank_mode, args.steps, args.backend, args.user_collectives)
         return 0
     modes = tuple(m for m in args.modes.split(",") if m)
     unknown = set(modes) - set(MODES)
     if unknown:
         ap.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
-    s = run(args.n, args.jobs, modes, args.steps, args.timeout, args.verbose, args.backend)
+    s = run(args.n, args.jobs, modes, args.steps, args.timeout, args.verbose, args.backend,
+            args.user_collectives)
     per_mode = ", ".join(f"{k} {v['aborts']}/{v['exits']}" for k, v in s["by_mode"].items())
-    print(f"exit_stress: {s['exits']} process exits in {s['seconds']} s: {s['aborts']} aborted, "
+    print(f"exit_stress ({args.backend}): {s['exits']} process exits in {s['seconds']} s: {s['aborts']} aborted, "
           f"{s['unexpected']} unexpected exit codes, {s['timeouts']} timed out (aborts by mode: {per_mode})",
           flush=True)
     return 0 if s["aborts"] == 0 and s["unexpected"] == 0 and s["timeouts"] == 0 else 1

@@ -201,7 +201,9 @@ def _stash_obj_in_tls(key: str, obj) -> None:
 def mode_capture(args) -> None:
     """Does the Work of an async all-reduce issued under a TorchFunctionMode
     hold that mode (in its captured thread-local state)? ``--backend`` picks
-    the wrapped Gloo (``pgd``) or torch's stock one (``gloo``)."""
+    the wrapped Gloo (``pgd``) or torch's stock one (``gloo``); ``--collectives``
+    issues them through torch.distributed (``dist``) or through
+    pygraph_dist.collectives (``pgd``), as pygraph_dist issues its own."""
     import sys as _sys
 
     from torch.overrides import TorchFunctionMode
@@ -210,6 +212,21 @@ def mode_capture(args) -> None:
 
     pgd.init(backend="auto" if args.backend == "pgd" else "gloo")
     import torch.distributed as dist
+
+    if args.collectives == "pgd":
+        from pygraph_dist import collectives as coll
+
+        def all_reduce(t, async_op):
+            return coll.all_reduce(t, async_op=async_op)
+
+        def all_gather(outs, t, async_op):
+            return coll.all_gather(outs, t, async_op=async_op)
+    else:
+        def all_reduce(t, async_op):
+            return dist.all_reduce(t, async_op=async_op)
+
+        def all_gather(outs, t, async_op):
+            return dist.all_gather(outs, t, async_op=async_op)
 
     class Watching(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -220,7 +237,7 @@ def mode_capture(args) -> None:
     mode = Watching()
     base = _sys.getrefcount(mode)
     with mode:
-        work = dist.all_reduce(t, async_op=True)
+        work = all_reduce(t, async_op=True)
     held_mode = _sys.getrefcount(mode) - base  # the Work is alive: what it captured is too
     work.wait()
     del work
@@ -229,7 +246,7 @@ def mode_capture(args) -> None:
     obj = object()
     base = _sys.getrefcount(obj)
     _stash_obj_in_tls("pgd-test", obj)
-    work = dist.all_reduce(t, async_op=True)
+    work = all_reduce(t, async_op=True)
     if hasattr(torch._C, "_remove_obj_from_tls"):
         torch._C._remove_obj_from_tls("pgd-test")
     else:  # torch 2.11 has no remove: overwriting drops the map's reference to obj
@@ -248,8 +265,8 @@ def mode_capture(args) -> None:
     rank, ws = dist.get_rank(), dist.get_world_size()
     x = torch.full((1000,), float(rank + 1))
     outs = [torch.zeros(1000) for _ in range(ws)]
-    work = dist.all_reduce(x, async_op=True)
-    gather = dist.all_gather(outs, torch.full((1000,), float(rank)), async_op=True)
+    work = all_reduce(x, async_op=True)
+    gather = all_gather(outs, torch.full((1000,), float(rank)), async_op=True)
     in_flight = [_sys.getrefcount(t) for t in [x, *outs]]
     work.wait()
     gather.wait()
@@ -259,7 +276,8 @@ def mode_capture(args) -> None:
     held_tensor = max(a - b for a, b in zip(in_flight, after))
     values_ok = bool((x == ws * (ws + 1) / 2).all()) and all(bool((o == r).all()) for r, o in enumerate(outs))
     _write(args.out, rank, held_mode=held_mode, held_tls=held_tls, backend=dist.get_backend(),
-           tracks=tracks, held_tensor=held_tensor, values_ok=values_ok)
+           tracks=tracks, held_tensor=held_tensor, values_ok=values_ok,
+           gather_versions=[o._version for o in outs], input_version=x._version)
     dist.destroy_process_group()
 
 
@@ -314,6 +332,7 @@ def main() -> None:
     ap.add_argument("--leave-sleep", type=float, default=120.0)
     ap.add_argument("--python-watchdog", type=float, default=0.0)
     ap.add_argument("--backend", default="pgd", choices=["pgd", "gloo"])
+    ap.add_argument("--collectives", default="dist", choices=["dist", "pgd"])
     args = ap.parse_args()
     CASES[args.case](args)
 
