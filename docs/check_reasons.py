@@ -86,7 +86,7 @@ SINKS: dict[str, str | tuple[int, ...]] = {
 # reasons that reach the report or an error.
 PRODUCERS = (
     "graphs_available",        # _ext.py: why graphs are unavailable in this process
-    "_why_no_graphs",          # engine.py: why this model cannot be graphed
+    "_why_no_graphs",          # wiring.py: why this model cannot be graphed
     "describe_capture_error",  # capture_guard.py: a capture that raised
     "varying_paths",           # capture.py: parameters used in some iterations only
     "explain_mismatch",        # agreement.py: ranks captured different things

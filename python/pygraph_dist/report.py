@@ -153,7 +153,7 @@ _ANCHOR = re.compile(r" at (?:\S+:\d+|<unknown>)\. ")
 
 def split_violations(text: str) -> list[str]:
     """The loop check's reasons, one per item: it joins ``"what at file:line. fix"``
-    strings with ``"; "`` (engine._finish_probe), and fixes may hold ``"; "`` too,
+    strings with ``"; "`` (probe.ProbeCalls._finish_probe), and fixes may hold ``"; "`` too,
     so a new item starts at the last ``"; "`` before the next ``" at file:line. "``."""
     anchors = list(_ANCHOR.finditer(text))
     if len(anchors) < 2:

@@ -3,7 +3,8 @@
 Issue 26 item 4: each concern in a module of about 450 lines, so that the next
 engineer finds the hot path without a map. A module that grows past
 :data:`MAX_LINES` fails here: split it by concern (as capture.py gave
-capture_guard.py, and reducer.py gave bucket_layout.py and bucket_comm.py)
+capture_guard.py, reducer.py gave bucket_layout.py and bucket_comm.py, and
+engine.py gave wiring.py, probe.py, split_calls.py and engine_state.py)
 rather than raising the limit. It reads the files; it imports nothing of the package.
 """
 
@@ -15,11 +16,10 @@ PACKAGE = Path(__file__).resolve().parents[2] / "python" / "pygraph_dist"
 
 MAX_LINES = 460
 
-# Modules still over the limit, each with the issue that splits it. Remove a
-# module from here once it is under the limit (the last test insists).
-OVER_THE_LIMIT = {
-    "engine.py": "issue 26 item 4: the life of one step in one function, the rest in modules of its own",
-}
+# Modules still over the limit, each with the issue that splits it (none now:
+# every module is checked). Remove a module from here once it is under the
+# limit (the last test insists).
+OVER_THE_LIMIT: dict[str, str] = {}
 
 
 def _modules() -> dict[str, int]:
