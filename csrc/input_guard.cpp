@@ -18,7 +18,12 @@ bool InputGuard::match(const py::handle& args, const py::handle& kwargs) {
   if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 2) {
     return false;
   }
-  const bool ok = walk(args, PyTuple_GET_ITEM(t, 0)) && walk(kwargs, PyTuple_GET_ITEM(t, 1));
+  bool ok = false;
+  try {
+    ok = walk(args, PyTuple_GET_ITEM(t, 0)) && walk(kwargs, PyTuple_GET_ITEM(t, 1));
+  } catch (const std::exception&) {  // e.g. sizes() of a tensor without dense sizes: the long path decides
+    ok = false;
+  }
   if (!ok) {
     pending_.clear();
   }
@@ -41,6 +46,9 @@ bool InputGuard::walk(const py::handle& obj, const py::handle& tmpl) {
       return false;
     }
     const at::Tensor& x = THPVariable_Unpack(o);
+    if (x.is_nested() || x.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+      return false;
+    }
     if (x.scalar_type() != slot.dtype || x.device().type() != slot.device_type ||
         x.requires_grad() != slot.requires_grad || x.sizes() != c10::IntArrayRef(slot.sizes)) {
       return false;
@@ -76,25 +84,44 @@ bool InputGuard::walk(const py::handle& obj, const py::handle& tmpl) {
     return true;
   }
   if (PyDict_Check(t)) {
+    // The keys in the same order (pytree's spec keeps the order: {a, b} and
+    // {b, a} are different signatures, and a forward may iterate the dict).
     if (PyDict_Size(o) != PyDict_Size(t)) {
       return false;
     }
-    PyObject* key = nullptr;
-    PyObject* value = nullptr;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(t, &pos, &key, &value)) {
-      PyObject* got = PyDict_GetItemWithError(o, key);  // borrowed
-      if (got == nullptr) {
-        PyErr_Clear();
+    PyObject *tkey = nullptr, *tvalue = nullptr, *okey = nullptr, *ovalue = nullptr;
+    Py_ssize_t tpos = 0, opos = 0;
+    while (PyDict_Next(t, &tpos, &tkey, &tvalue)) {
+      if (!PyDict_Next(o, &opos, &okey, &ovalue)) {
         return false;
       }
-      if (!walk(got, value)) {
+      if (okey != tkey) {  // interned keyword names are the same object
+        if (Py_TYPE(okey) != Py_TYPE(tkey)) {
+          return false;
+        }
+        const int same = PyObject_RichCompareBool(okey, tkey, Py_EQ);
+        if (same != 1) {
+          PyErr_Clear();
+          return false;
+        }
+      }
+      if (!walk(ovalue, tvalue)) {
         return false;
       }
     }
     return true;
   }
-  // A Python value the graph was captured with: the same type (checked above) and equal.
+  // A Python value the graph was captured with: the same type (checked above),
+  // and equal as a dict lookup finds it: the same hash, then ==.
+  if (o == t) {
+    return true;
+  }
+  const Py_hash_t ho = PyObject_Hash(o);
+  const Py_hash_t ht = PyObject_Hash(t);
+  if (ho == -1 || ht == -1 || ho != ht) {
+    PyErr_Clear();
+    return false;
+  }
   const int eq = PyObject_RichCompareBool(o, t, Py_EQ);
   if (eq < 0) {
     PyErr_Clear();
@@ -102,6 +129,8 @@ bool InputGuard::walk(const py::handle& obj, const py::handle& tmpl) {
   }
   return eq == 1;
 }
+
+void InputGuard::discard() { pending_.clear(); }
 
 void InputGuard::copy_pending() {
   for (auto& [i, x] : pending_) {
@@ -138,6 +167,7 @@ void bind_input_guard(py::module_& m) {
            py::arg("statics"))
       .def("match", &InputGuard::match, py::arg("args"), py::arg("kwargs"),
            "Whether the call matches the captured one (copies nothing).")
+      .def("discard", &InputGuard::discard, "Forget the matched call's tensors (not replayed).")
       .def("copy_pending", &InputGuard::copy_pending,
            "Copy the matched call's tensors into the static inputs.")
       .def("__len__", &InputGuard::slots);

@@ -38,6 +38,8 @@ class InputGuard {
   // Copies the matched call's tensors into the static inputs (non-blocking;
   // a tensor that already is its static input is not copied), then forgets them.
   void copy_pending();
+  // Forgets the matched call's tensors (the call did not replay after all).
+  void discard();
   size_t slots() const { return statics_.size(); }
 
  private:

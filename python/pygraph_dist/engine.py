@@ -197,6 +197,7 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         self._entry, self._phase = entry, phase
         entry.last_used = self.iteration
         if leaves is None and phase != Phase.REPLAY:  # drift: the long way from here
+            entry.guard.discard()
             leaves, _ = _flatten((args, kwargs))
 
         if phase in (Phase.PROBE, Phase.EAGER):
@@ -227,7 +228,10 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         entry = self._guarded
         if entry is None or entry.guard is None or entry.guard_for is not entry.static_leaves:
             return None
-        if not entry.guard.match(args, kwargs) or self._ambient() != entry.key[2]:
+        if not entry.guard.match(args, kwargs):
+            return None
+        if self._ambient() != entry.key[2]:
+            entry.guard.discard()
             return None
         return entry
 

@@ -20,6 +20,7 @@ Both only ever decline: what they cannot prove the same goes the long way.
 from __future__ import annotations
 
 import collections
+import operator
 
 import torch
 import torch.utils._pytree as pytree
@@ -67,6 +68,8 @@ def build_guard(args: tuple, kwargs: dict, masked_leaves: list, static_leaves: l
             slots.append(C.TensorSlot(i, list(leaf.shape), leaf.dtype, leaf.device.type, leaf.requires_grad))
             statics.append(static)
         else:
+            if isinstance(leaf, (tuple, list, dict)):  # a container pytree keeps whole (torch.Size, a
+                return None                            # structseq): InputGuard would walk into it
             try:
                 hash(leaf)
             except TypeError:
@@ -92,6 +95,7 @@ class ClearGrads:
         self.usable = (watch is not None and hasattr(watch, "clear_grads")
                        and optimizer_class.zero_grad is torch.optim.Optimizer.zero_grad)
         self._checked: tuple | None = None
+        self._lists: list = []  # the param lists as checked, element by element
         self._same = False
 
     def __call__(self, set_to_none: bool) -> bool:
@@ -100,10 +104,14 @@ class ClearGrads:
             return False
         groups = self.optimizer.param_groups
         key = tuple((id(g), id(g["params"]), len(g["params"])) for g in groups)
-        if key != self._checked:
+        # The same groups and lists, and the same parameters in them (an element
+        # replaced in place keeps the list's id and length): C-level identity checks.
+        if key != self._checked or not all(
+                all(map(operator.is_, g["params"], snap)) for g, snap in zip(groups, self._lists)):
             ids = [id(p) for g in groups for p in g["params"]]
             self._same = len(ids) == len(self.param_ids) and set(ids) == self.param_ids
             self._checked = key
+            self._lists = [tuple(g["params"]) for g in groups]
         if not self._same:
             return False
         self.watch.clear_grads()

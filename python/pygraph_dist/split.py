@@ -91,9 +91,10 @@ class _GraphedCall(torch.autograd.Function):
         return None, None
 
 
-def _raw_stream() -> int:
-    """The current CUDA stream of the current device, as its cudaStream_t."""
-    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+def _current_stream() -> tuple:
+    """The current CUDA stream of the current device, as torch.cuda.current_stream()
+    describes it to its Stream: (stream id, device index, device type)."""
+    return tuple(torch._C._cuda_getCurrentStream(torch._C._cuda_getDevice()))
 
 
 class _Call:
@@ -103,9 +104,9 @@ class _Call:
 
     def __init__(self, split: SplitGraphs, entry: GraphEntry, sync: bool, label: str) -> None:
         self.split, self.entry, self.sync, self.label = split, entry, sync, label
-        # The raw handle: torch.cuda.current_stream() builds a Stream object
-        # through device lookups (~10 us, twice per micro-batch; issue 26).
-        self.stream = _raw_stream()
+        # (stream id, device, type): torch.cuda.current_stream() builds a Stream
+        # object through device lookups (~10 us, twice per micro-batch; issue 26).
+        self.stream = _current_stream()
         self.done = False
 
     def backward(self, grads) -> None:
@@ -336,15 +337,21 @@ class SplitGraphs:
         """End of the user's backward: the caller's stream after the graphs."""
         self.graph_round = False
         self.reducer.outside_grad_error = None
-        if _raw_stream() != call.stream:
-            torch.cuda.current_stream().wait_stream(torch.cuda.ExternalStream(call.stream))
+        if _current_stream() != call.stream:
+            sid, index, kind = call.stream
+            torch.cuda.current_stream().wait_stream(
+                torch.cuda.Stream(stream_id=sid, device_index=index, device_type=kind))
         if call.sync:
             self.reducer.rounds += 1
         self.on_backward_finished()
 
     def replay_step(self, entry: GraphEntry, label: str) -> None:
-        """``optimizer.step()``: the step graph."""
-        self.runner.watchdog.replay([entry.step_graph], label)
+        """``optimizer.step()``: the step graph, and the watchdog armed behind it:
+        the event follows the backward graphs' all-reduces on the stream, so a
+        peer that never joins them fires it (tier 1 arms at every replay)."""
+        watchdog = self.runner.watchdog
+        if not watchdog.replay([entry.step_graph], label, collectives=entry.collectives, arm=True):
+            watchdog.after_replay(label, collectives=entry.collectives)
 
 
 _OUTSIDE = ("the loss's backward reached parameters directly, not only through the outputs of "
