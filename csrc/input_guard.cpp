@@ -77,7 +77,13 @@ bool InputGuard::walk(const py::handle& obj, const py::handle& tmpl) {
       return false;
     }
     for (Py_ssize_t i = 0; i < n; ++i) {
-      if (!walk(PyList_GET_ITEM(o, i), PyList_GET_ITEM(t, i))) {
+      // A value's __eq__ (user code) may change the call's list: re-check its
+      // size, and hold the item while it is walked.
+      if (PyList_GET_SIZE(o) != n) {
+        return false;
+      }
+      const py::object item = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(o, i));
+      if (!walk(item, PyList_GET_ITEM(t, i))) {
         return false;
       }
     }
@@ -92,9 +98,12 @@ bool InputGuard::walk(const py::handle& obj, const py::handle& tmpl) {
     PyObject *tkey = nullptr, *tvalue = nullptr, *okey = nullptr, *ovalue = nullptr;
     Py_ssize_t tpos = 0, opos = 0;
     while (PyDict_Next(t, &tpos, &tkey, &tvalue)) {
-      if (!PyDict_Next(o, &opos, &okey, &ovalue)) {
+      if (PyDict_Size(o) != PyDict_Size(t) || !PyDict_Next(o, &opos, &okey, &ovalue)) {
         return false;
       }
+      // Held while compared and walked: a user's __eq__ may change the call's dict.
+      const py::object okey_ref = py::reinterpret_borrow<py::object>(okey);
+      const py::object ovalue_ref = py::reinterpret_borrow<py::object>(ovalue);
       if (okey != tkey) {  // interned keyword names are the same object
         if (Py_TYPE(okey) != Py_TYPE(tkey)) {
           return false;
@@ -105,7 +114,7 @@ bool InputGuard::walk(const py::handle& obj, const py::handle& tmpl) {
           return false;
         }
       }
-      if (!walk(ovalue, tvalue)) {
+      if (!walk(ovalue_ref, tvalue)) {
         return false;
       }
     }

@@ -164,6 +164,36 @@ def test_structures_the_guard_cannot_walk_get_none():
     assert build_guard(({"a": [1]}, x), {}, [{"a": [1]}, x], [{"a": [1]}, x]) is not None  # all containers
 
 
+class _Mutating:
+    """A value whose == empties the container it came in (user code runs inside match)."""
+
+    def __init__(self, box=None):
+        self.box = box
+
+    def __eq__(self, other):
+        if self.box is not None:
+            self.box.clear()
+        return isinstance(other, _Mutating)
+
+    def __hash__(self):
+        return 7
+
+
+@needs_guard
+def test_a_value_that_changes_the_call_while_compared_is_survived():
+    x = torch.randn(2)
+    captured = [_Mutating(), _Mutating(), x]
+    leaves = pytree.tree_leaves(((captured,), {}))
+    guard = build_guard((captured,), {}, leaves, [v.clone() if isinstance(v, torch.Tensor) else v for v in leaves])
+    call = [None, _Mutating(), x]
+    call[0] = _Mutating(call)  # empties the list while it is being walked
+    assert guard.match((call,), {}) is False and call == []
+    kwargs = {"a": None, "b": x}
+    kwargs["a"] = _Mutating(kwargs)
+    guard = build_guard((), {"a": _Mutating(), "b": x}, [_Mutating(), x], [None, x.clone()])
+    assert guard.match((), kwargs) is False and kwargs == {}
+
+
 # ----------------------------------------------------------------- zero_grad
 def test_clear_grads_sets_the_optimizers_gradients_to_none():
     if not hasattr(C, "ParamWatch") or not hasattr(C.ParamWatch, "clear_grads"):
