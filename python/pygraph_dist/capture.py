@@ -278,8 +278,7 @@ class GraphRunner:
         self.reducer.expose_grads()  # the user set them to None; the graph writes the views
         label = f"[{entry.description}] at iteration {iteration}"
         if entry.step_graph is None:  # one graph: launched and watched in one call
-            if not self.watchdog.replay([entry.graph], label, collectives=entry.collectives, arm=True):
-                self.watchdog.after_replay(label, collectives=entry.collectives)
+            self.watchdog.replay([entry.graph], label, collectives=entry.collectives, arm=True)
         else:
             self.launch(entry, label)
             self.watchdog.after_replay(label, collectives=entry.collectives)

@@ -349,9 +349,7 @@ class SplitGraphs:
         """``optimizer.step()``: the step graph, and the watchdog armed behind it:
         the event follows the backward graphs' all-reduces on the stream, so a
         peer that never joins them fires it (tier 1 arms at every replay)."""
-        watchdog = self.runner.watchdog
-        if not watchdog.replay([entry.step_graph], label, collectives=entry.collectives, arm=True):
-            watchdog.after_replay(label, collectives=entry.collectives)
+        self.runner.watchdog.replay([entry.step_graph], label, collectives=entry.collectives, arm=True)
 
 
 _OUTSIDE = ("the loss's backward reached parameters directly, not only through the outputs of "

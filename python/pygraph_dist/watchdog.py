@@ -125,14 +125,14 @@ class ReplayWatchdog:
     # ------------------------------------------------------------ the engine's calls
     @timed("launch")
     def replay(self, graphs: Iterable[torch.cuda.CUDAGraph], label: str = "", *,
-               collectives: str | None = None, arm: bool = False) -> bool:
+               collectives: str | None = None, arm: bool = False) -> None:
         """Launch ``graphs`` in order on the current stream, without the GIL.
 
         With the native watchdog the launches are timed: one that blocks for
         ``timeout_s`` (the launch queue full, the GPU not draining it) fires.
-        ``arm``: the launches end an iteration, so do :meth:`after_replay`'s
-        work too, in the same call (one GIL release per replay instead of two);
-        returns whether that was done -- if not, call after_replay."""
+        ``arm``: the launches end an iteration, so :meth:`after_replay`'s work
+        follows them -- with the native watchdog inside the same call (one GIL
+        release per replay instead of two)."""
         graphs = list(graphs)
         replay_graphs = getattr(C, "replay_graphs", None)
         # A graph captured with check_input_liveness has a Python-side check
@@ -140,14 +140,17 @@ class ReplayWatchdog:
         if replay_graphs is None or any(getattr(g, "_tracker", None) is not None for g in graphs):
             for g in graphs:
                 g.replay()
-            return False
+            if arm:
+                self.after_replay(label, collectives)
+            return
         wd = self._ensure_native() if self.enabled and self.native else None
         arm_now = False
         if arm and wd is not None and not self._closed:
             self._count += 1
             arm_now = self._count % self.every == 0
         replay_graphs(graphs, wd, label, collectives or "", arm_now)
-        return arm and (wd is not None or not self.enabled or self._closed)
+        if arm and wd is None:  # the Python-thread watchdog (native=False), or none
+            self.after_replay(label, collectives)
 
     @timed("watchdog")
     def after_replay(self, label: str, collectives: str | None = None) -> None:
