@@ -102,9 +102,8 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         self._entry: GraphEntry | None = None
         self._phase = None
         # fast_lane.py: the entry whose InputGuard the next call is tried against
-        # (the last one replayed).
+        # (the last one replayed; never with pad_batch_to, whose padding the guard skips).
         self._guarded: GraphEntry | None = None
-        self._guards = not config.pad_batch_to
         self.serial = lifetime.register(self)
 
     @property
@@ -172,6 +171,8 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
                 out = self._split_forward(entry, leaves) if entry is not None else None
                 if out is not None:
                     return out
+                if leaves is None:  # matched, but not replayed: the guard lets the call's tensors go
+                    entry.guard.discard()
             return self._user_forward(args, kwargs, probe=self._phase == Phase.PROBE)
         self.loop.model_called(in_no_sync=not self.require_sync)
         self.iteration += 1
@@ -184,7 +185,7 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
             leaves, spec = _flatten((args, kwargs))
             masked, spec = self._signature(args, kwargs, leaves, spec)
             entry = self._entry_for(masked, spec)
-            if entry.policy.phase == Phase.REPLAY and self._guards:
+            if entry.policy.phase == Phase.REPLAY and not self.cache.pad_batch_to:
                 self._guard(entry, args, kwargs, masked)
         if entry.policy.phase == Phase.REPLAY:
             drift = self.cache.drift(entry, self.reducer, self.optimizer,

@@ -83,9 +83,9 @@ class ClearGrads:
     """``zero_grad(set_to_none=True)`` of an optimizer whose parameters are the
     wrapped model's, in one C++ call (``ParamWatch.clear_grads``).
 
-    Checked at every call against the optimizer's param groups (their
-    identities and sizes): a group added or changed falls back to torch's
-    ``zero_grad`` until the parameters are the model's again."""
+    Checked at every call against the optimizer's param groups, parameter by
+    parameter: a group added or changed falls back to torch's ``zero_grad``
+    until the parameters are the model's again."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, optimizer_class: type, watch, params: list) -> None:
         self.optimizer = optimizer
@@ -94,24 +94,22 @@ class ClearGrads:
         # A subclass's own zero_grad may do more than clear: left to run.
         self.usable = (watch is not None and hasattr(watch, "clear_grads")
                        and optimizer_class.zero_grad is torch.optim.Optimizer.zero_grad)
-        self._checked: tuple | None = None
-        self._lists: list = []  # the param lists as checked, element by element
+        self._lists: list[tuple] = []  # each group's parameters when last checked
         self._same = False
 
     def __call__(self, set_to_none: bool) -> bool:
         """Clear the gradients; False (nothing done) where torch's zero_grad must run."""
         if not (set_to_none and self.usable):
             return False
-        groups = self.optimizer.param_groups
-        key = tuple((id(g), id(g["params"]), len(g["params"])) for g in groups)
-        # The same groups and lists, and the same parameters in them (an element
-        # replaced in place keeps the list's id and length): C-level identity checks.
-        if key != self._checked or not all(
-                all(map(operator.is_, g["params"], snap)) for g, snap in zip(groups, self._lists)):
-            ids = [id(p) for g in groups for p in g["params"]]
-            self._same = len(ids) == len(self.param_ids) and set(ids) == self.param_ids
-            self._checked = key
+        groups, lists = self.optimizer.param_groups, self._lists
+        # The same parameters, group by group, as at the last check (an element
+        # replaced in place keeps its list's id and length): C-level identity checks.
+        if len(groups) != len(lists) or not all(
+                len(g["params"]) == len(snap) and all(map(operator.is_, g["params"], snap))
+                for g, snap in zip(groups, lists)):
             self._lists = [tuple(g["params"]) for g in groups]
+            ids = [id(p) for snap in self._lists for p in snap]
+            self._same = len(ids) == len(self.param_ids) and set(ids) == self.param_ids
         if not self._same:
             return False
         self.watch.clear_grads()

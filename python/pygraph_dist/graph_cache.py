@@ -39,7 +39,7 @@ class DriftSnapshot:
     hyperparams: list = field(default_factory=list)
     params: Any = None  # GradientReducer.param_state(): data pointers and requires_grad
     state_version: int = 0
-    versions: Any = None  # optim.group_versions() at capture: the param groups' change counts
+    versions: Any = None  # param_groups.group_versions() at capture: the param groups' change counts
 
 
 @dataclass

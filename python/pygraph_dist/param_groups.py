@@ -171,7 +171,7 @@ def watch_param_groups(opt: torch.optim.Optimizer, lr_tensors: list[torch.Tensor
 
 
 def adopt_assigned_lrs(opt: torch.optim.Optimizer, lr_tensors: list[torch.Tensor | None]) -> None:
-    """An lr that reached a group without ``__setitem__`` (``group.update``, a
+    """An lr that reached a group without ``__setitem__`` (``dict.update(group, ...)``, a
     replaced group dict) is written into the device tensor, which goes back into
     the group. Called at every model call and step, before anything reads the lr,
     so that the eager step, a capture and a replay all read the tensor."""
