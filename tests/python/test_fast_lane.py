@@ -26,7 +26,7 @@ from pygraph_dist.fast_lane import ClearGrads, build_guard
 from pygraph_dist.graph_cache import _leaf_key
 from pygraph_dist.param_groups import WatchedParamGroup, group_versions, same_versions
 
-from common import MLP, data, device, flat_params
+from common import MLP, MLPLogits, data, device, flat_params
 
 needs_guard = pytest.mark.skipif(not hasattr(C, "InputGuard"), reason="extension built without input_guard.cpp")
 Point = collections.namedtuple("Point", "x y")
@@ -256,10 +256,6 @@ def gpu_steady_state(loop="inside", steps=30):
     F = torch.nn.functional
     from pygraph_dist.graph_cache import GraphCache
 
-    class Logits(MLP):
-        def forward(self, x):
-            return self.head(self.body(x))
-
     lookups = []
     original = GraphCache.lookup
 
@@ -272,7 +268,7 @@ def gpu_steady_state(loop="inside", steps=30):
     def run(graphs):
         nonlocal it
         torch.manual_seed(0)
-        base = (MLP if loop == "inside" else Logits)(width=32, depth=4).to(dev)
+        base = (MLP if loop == "inside" else MLPLogits)(width=32, depth=4).to(dev)
         model, opt = pgd.wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-3, fused=True), graphs=graphs)
         losses = []
         for it in range(steps):

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import pygraph_dist as pgd
 from pygraph_dist.param_groups import WatchedParamGroup, adopt_assigned_lrs, write_lr
 
-from common import MLP, data, device, flat_params
+from common import MLP, MLPLogits, data, device, flat_params
 
 
 # ----------------------------------------------------------------- CPU units
@@ -104,13 +104,9 @@ def gpu_float_lr(loop="inside", how="float", opt_name="adamw_fused", steps=24):
     dev = device()
     F = torch.nn.functional
 
-    class Logits(MLP):
-        def forward(self, x):
-            return self.head(self.body(x))
-
     def run(graphs):
         torch.manual_seed(0)
-        base = (MLP if loop == "inside" else Logits)(width=32, depth=4).to(dev)
+        base = (MLP if loop == "inside" else MLPLogits)(width=32, depth=4).to(dev)
         make = {
             "adamw_fused": lambda: torch.optim.AdamW(_groups(base), lr=1e-3, betas=(0.9, 0.95), fused=True),
             "adam": lambda: torch.optim.Adam(_groups(base), lr=1e-3),
