@@ -179,6 +179,11 @@ class LoopState:
                 )
         if isinstance(target, (list, tuple)) and len(target) == 1:
             target = target[0]
+        if target is not self.returned_loss and unit_scaled(target, self.returned_loss):
+            # Accelerate's backward() divides by gradient_accumulation_steps, 1 by
+            # default: loss / 1 seeds the model's backward with 1.0 / 1 == 1.0, the
+            # returned loss's own backward, bitwise.
+            target = self.returned_loss
         if target is not self.returned_loss and self.output_nodes and self.reaches_params(target):
             self.violation(
                 "the loss's backward reaches model parameters directly, not only through the "
@@ -269,3 +274,33 @@ class LoopState:
             self.violation("zero_grad() between loss.backward() and optimizer.step() discards the "
                            "gradients", "Call zero_grad() before the model call or after step().")
         self.zeroed_since_step = True
+
+
+_UNIT_OPS = ("DivBackward0", "MulBackward0")
+
+
+def unit_scaled(target, loss) -> bool:
+    """Whether ``target`` is ``loss / 1`` or ``loss * 1`` (a Python or CPU number
+    equal to 1): its backward is the loss's own, bitwise. Read from the autograd
+    node (``_saved_other``, a CPU number: no device sync)."""
+    if not isinstance(target, torch.Tensor) or not isinstance(loss, torch.Tensor):
+        return False
+    fn = target.grad_fn
+    if fn is None or type(fn).__name__ not in _UNIT_OPS or target.dtype != loss.dtype \
+            or target.shape != loss.shape:
+        return False
+    edges = fn.next_functions
+    if len(edges) != 2 or edges[1][0] is not None:
+        return False
+    node, nr = edges[0]
+    if loss.grad_fn is not None:
+        if node is not loss.grad_fn or nr != loss.output_nr:
+            return False
+    elif getattr(node, "variable", None) is not loss:
+        return False
+    try:
+        other = fn._saved_other  # noqa: SLF001
+    except (AttributeError, RuntimeError):
+        return False
+    return (isinstance(other, torch.Tensor) and other.device.type == "cpu" and other.numel() == 1
+            and other.item() == 1)

@@ -104,6 +104,8 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         # fast_lane.py: the entry whose InputGuard the next call is tried against
         # (the last one replayed; never with pad_batch_to, whose padding the guard skips).
         self._guarded: GraphEntry | None = None
+        self._inner_seen: list[str] = []  # autocast inside forward, seen by a probe (monitor.py)
+        self._norm_requests: list[torch.Tensor] = []  # grad_norm_after_step(), filled by the step
         self.serial = lifetime.register(self)
 
     @property
@@ -356,13 +358,33 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
             return None  # the graph (or the owned iteration) already stepped
         split, self._split_step = self._split_step, None
         if split is not None and self._split_step_now(split, closure):
+            self._fill_norm_requests()
             return None
         self.reducer.finish_pending()
         with self.step.on_compute_stream():
             result = self.step.apply_step(closure)
+        self._fill_norm_requests()
         if probe:
             self._finish_probe(self._entry, seen)
         return result
+
+    def grad_norm_after_step(self) -> torch.Tensor:
+        """What ``clip_grad_norm_`` returns when the step clips (``wrap(max_grad_norm=...)``):
+        the global gradient norm before clipping. At once when this iteration's
+        step already ran (tier 1 steps at the model call); otherwise a tensor that
+        ``optimizer.step()`` fills, NaN until then."""
+        norm = self.step.grad_norm
+        if self.loop.owned:
+            return norm.clone()
+        out = torch.full_like(norm, float("nan"))
+        self._norm_requests.append(out)
+        return out
+
+    def _fill_norm_requests(self) -> None:
+        if self._norm_requests:
+            for out in self._norm_requests:
+                out.copy_(self.step.grad_norm)
+            self._norm_requests.clear()
 
     @timed("zero_grad routing")
     def optimizer_zero_grad(self, set_to_none: bool = True) -> None:

@@ -75,6 +75,7 @@ class EngineState:
             events=[asdict(e) for e in self.cache.events],
             accumulation=self.accum.describe(), stock_backend=stock,
             tier1_needs=self.loop.split_reason if self.loop.probe_done else "",
+            inner_autocast=self._inner_seen[0] if self._inner_seen else "",
         )
 
     # ================================================================ teardown

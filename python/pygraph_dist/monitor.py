@@ -284,6 +284,29 @@ def storage_ptr(t: torch.Tensor) -> int:
 
 
 @contextlib.contextmanager
+def watch_inner_autocast(enabled: bool, device_type: str, seen: list[str]):
+    """On probes, note the autocast dtype that submodules run under when the
+    caller's autocast is off: autocast entered inside the module's forward
+    (Accelerate patches its own into ``forward``), for report()'s precision
+    line. A global forward pre-hook, only for the probe's calls."""
+    if not enabled or torch.is_autocast_enabled(device_type):
+        yield
+        return
+
+    def hook(module, args):  # noqa: ARG001
+        if not seen and torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            seen.append({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+                dtype, str(dtype).replace("torch.", "")))
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
 def watch_host_syncs(enabled: bool, sites: list[str]):
     """On CUDA probes, turn host syncs in forward into warnings and collect
     where they happen (``file:line``) into ``sites``. A sync seen in eager

@@ -25,7 +25,7 @@ import logging
 from . import agreement
 from ._ext import C
 from .graph_cache import GraphEntry
-from .monitor import watch_host_syncs
+from .monitor import watch_host_syncs, watch_inner_autocast
 from .split import output_tensors
 from .step import map_outputs
 
@@ -50,6 +50,7 @@ class ProbeCalls:
             args, kwargs, watcher = self.ignored.watch(args, kwargs)
         with self.step.on_compute_stream(), watch_host_syncs(
                 probe and self.device.type == "cuda", self.runner.sync_sites), \
+                watch_inner_autocast(probe and not self._inner_seen, self.device.type, self._inner_seen), \
                 watcher if watcher is not None else contextlib.nullcontext():
             loss, out = self.step.forward(args, kwargs, sync=self._call_sync, need_loss=False)
         if watcher is not None:

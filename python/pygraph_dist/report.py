@@ -125,6 +125,9 @@ class ModelReport:
     stock_backend: bool = False
     # The loop fits tier 2: what the probe saw that keeps it from tier 1.
     tier1_needs: str = ""
+    # Autocast entered inside the module's forward ("bf16", "fp16"; "" if none seen
+    # by the probe), e.g. Accelerate's, which patches it into forward.
+    inner_autocast: str = ""
 
     @property
     def replays(self) -> int:
@@ -230,7 +233,7 @@ def _precision(m: ModelReport) -> str:
     if amp != "fp32":
         return f"amp {amp} (wrap)" + (f", inside your autocast {'/'.join(user)}" if user else "")
     if not user:
-        return "fp32"
+        return f"autocast {m.inner_autocast} inside the model's forward" if m.inner_autocast else "fp32"
     text = f"user autocast {'/'.join(user)}"
     if "" in weights:
         with_ac = sum(1 for g in m.graphs if g.autocast)

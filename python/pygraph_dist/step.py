@@ -74,6 +74,10 @@ class IterationStep:
         self.grad_scaler = grad_scaler
         self.loss_fn = loss_fn
         self.max_grad_norm = max_grad_norm
+        # The global norm of the last clipped step, before clipping (written inside
+        # the step graph too): what a framework's clip_grad_norm_() hands back.
+        self.grad_norm = (torch.zeros((), dtype=torch.float32, device=device)
+                          if max_grad_norm is not None else None)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -224,6 +228,7 @@ class IterationStep:
                     self.grad_scaler.unscale_(self.optimizer)
                 grads = [p for p in self.reducer.params if p.grad is not None]
                 norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+                self.grad_norm.copy_(norm)
             if self.grad_scaler is not None:
                 result = self.grad_scaler.step(self.optimizer)
                 self.grad_scaler.update()

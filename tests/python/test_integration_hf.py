@@ -42,9 +42,11 @@ def _losses(history: list[dict], key: str) -> list[float]:
 
 
 # --------------------------------------------------------------- Accelerate
-def accelerate_vs_stock(steps: int = 6):
+def accelerate_vs_stock(steps: int = 6, clip_in_graph: int = 0):
     """Rank body: the example's Accelerate loop with accelerate.Accelerator (DDP),
-    then with PGDAccelerator, in one process group (fp32, Gloo)."""
+    then with PGDAccelerator, in one process group (fp32, Gloo). clip_in_graph:
+    PGDAccelerator(max_grad_norm=1.0), the loop's own accelerator.clip_grad_norm_
+    value, clipped inside the optimizer step."""
     from accelerate import Accelerator
     from accelerate_loop import run
 
@@ -54,8 +56,10 @@ def accelerate_vs_stock(steps: int = 6):
     pgd.init()
     kw = dict(steps=steps, batch=4, seq=32, layers=2, width=64, vocab=128, log_every=2)
     stock = run(Accelerator(cpu=True, gradient_accumulation_steps=2), **kw)
-    accelerator = PGDAccelerator(cpu=True, gradient_accumulation_steps=2)
+    accelerator = PGDAccelerator(cpu=True, gradient_accumulation_steps=2,
+                                 **({"max_grad_norm": 1.0} if clip_in_graph else {}))
     ours = run(accelerator, **kw)
+    step_clips = next(m for m in accelerator._models if type(m).__name__ == "GraphedModule").engine.step.max_grad_norm
     initial = torch.cat([p.detach().reshape(-1) for p in __import__("accelerate_loop").make_model(
         2, 64, 128, 32).parameters()])
     return {
@@ -64,12 +68,16 @@ def accelerate_vs_stock(steps: int = 6):
         "logged": ours["logged"], "stock_logged": stock["logged"],
         "eval_loss": ours["eval_loss"], "stock_eval_loss": stock["eval_loss"],
         "steps": ours["steps"], "prepared": ours["prepared"], "stock_prepared": stock["prepared"],
-        **_report(),
+        "step_clips": step_clips, **_report(),
     }
 
 
-def test_accelerate_loop_trains_like_ddp_on_cpu(ranks):
-    for r in ranks("test_integration_hf:accelerate_vs_stock", timeout=240):
+@pytest.mark.parametrize("clip_in_graph", [False, True])
+def test_accelerate_loop_trains_like_ddp_on_cpu(ranks, clip_in_graph):
+    for r in ranks("test_integration_hf:accelerate_vs_stock", timeout=240,
+                   kwargs={"clip_in_graph": int(clip_in_graph)}):
+        # in the graph: the step clips (once: the parameters below match DDP's clipped run)
+        assert r["step_clips"] == (1.0 if clip_in_graph else None)
         assert r["prepared"] == "GraphedModule" and r["stock_prepared"] == "DistributedDataParallel"
         assert r["steps"] == 6 and r["moved"] > 1e-3, "the loop did not train"
         assert r["max_param_diff"] < CPU_TOLERANCE, (r["max_param_diff"], r["text"])
@@ -152,16 +160,18 @@ def test_trainer_trains_like_ddp_on_cpu(ranks):
         assert r["eval"] == pytest.approx(r["stock_eval"], rel=1e-5)
         assert r["grad_norm"] == pytest.approx(r["stock_grad_norm"], rel=1e-4)  # clipping saw the same norms
         assert r["tiers"] and all(t == "3" for t in r["tiers"]), r["text"]
+        # max_grad_norm clips inside the optimizer step (PGDAccelerator.clip_grad_norm_), not between graphs
+        assert "clip_grad_norm_" not in r["loop"], r["loop"]
 
 
-def trainer_graphed_vs_eager(steps: int = 24):
+def trainer_graphed_vs_eager(steps: int = 24, accum: int = 2):
     """Rank body (one GPU): PGDTrainer with bf16=True, graphed and with graphs=False."""
     from hf_trainer import run
 
     import pygraph_dist as pgd
 
     pgd.init()
-    kw = dict(steps=steps, batch=8, seq=64, layers=2, width=128, vocab=512, accum=2, logging_steps=4,
+    kw = dict(steps=steps, batch=8, seq=64, layers=2, width=128, vocab=512, accum=accum, logging_steps=4,
               eval_steps=12)
     with tempfile.TemporaryDirectory() as out:
         graphed = run(False, out, **kw)
@@ -171,16 +181,25 @@ def trainer_graphed_vs_eager(steps: int = 24):
             "max_diff": float((graphed["params"] - eager["params"]).abs().max()),
             "loss": _losses(graphed["log_history"], "loss"), "eager_loss": _losses(eager["log_history"], "loss"),
             "eval": _losses(graphed["log_history"], "eval_loss"),
-            "eager_eval": _losses(eager["log_history"], "eval_loss"), **rep}
+            "eager_eval": _losses(eager["log_history"], "eval_loss"),
+            "grad_norm": _losses(graphed["log_history"], "grad_norm"),
+            "eager_grad_norm": _losses(eager["log_history"], "grad_norm"), **rep}
 
 
 @pytest.mark.gpu
-def test_trainer_replays_graphs_bitwise_like_graphs_false(ranks):
-    r, = ranks("test_integration_hf:trainer_graphed_vs_eager", world_size=1, timeout=400)
-    assert r["tiers"] and r["tiers"][0] in ("1", "2"), r["text"]
+@pytest.mark.parametrize("accum", [2, 1])
+def test_trainer_replays_graphs_bitwise_like_graphs_false(ranks, accum):
+    """accum=2: tier 2 (micro-batches); accum=1: tier 1 (Accelerate's loss / 1 is the
+    loss's own backward, max_grad_norm clips inside the graph)."""
+    r, = ranks("test_integration_hf:trainer_graphed_vs_eager", world_size=1, timeout=400,
+               kwargs={"accum": accum})
+    assert r["tiers"] and r["tiers"][0] == ("2" if accum == 2 else "1"), r["text"]
     assert r["phases"][0] == "replay" and r["replays"] >= 12, r["text"]
     assert r["bitwise"], (r["max_diff"], r["text"])
     assert r["loss"] == r["eager_loss"] and r["eval"] == r["eager_eval"] and len(r["eval"]) == 2
+    # the norm the graph clipped with, logged by the Trainer after the step: that of graphs=False
+    assert r["grad_norm"] == r["eager_grad_norm"] and all(n == n for n in r["grad_norm"]), r["grad_norm"]
+    assert "autocast bf16 inside the model's forward" in r["text"], r["text"]
 
 
 def trainer_resume(steps: int = 6):
@@ -286,6 +305,26 @@ def test_accelerator_without_transformers_imports():
     p = _python(BLOCK.format(names={"transformers"}) +
                 "from pygraph_dist.integrations.hf import PGDAccelerator\nprint('ok')")
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr
+
+
+def clip_mismatch():
+    """Rank body: PGDAccelerator(max_grad_norm=0.5) and a loop clipping at 1.0."""
+    from accelerate_loop import run
+
+    import pygraph_dist as pgd
+    from pygraph_dist.integrations.hf import PGDAccelerator
+
+    pgd.init()
+    try:
+        run(PGDAccelerator(cpu=True, max_grad_norm=0.5), steps=2, batch=2, seq=16, layers=1, width=32, vocab=64)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"error": ""}
+
+
+def test_clip_value_other_than_wraps_is_refused(ranks):
+    r, = ranks("test_integration_hf:clip_mismatch", world_size=1, timeout=120)
+    assert "max_grad_norm=0.5" in r["error"] and "clipping twice" in r["error"], r["error"]
 
 
 def test_amp_option_is_refused_with_the_fix():

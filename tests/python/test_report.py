@@ -260,11 +260,26 @@ def test_report_without_a_wrapped_model():
 
 
 # -------------------------------------------------------------------- ranks
+class InnerAutocast(torch.nn.Module):
+    """A module whose forward enters bf16 autocast itself."""
+
+    def __init__(self, inner: torch.nn.Module, device_type: str) -> None:
+        super().__init__()
+        self.inner, self.device_type = inner, device_type
+
+    def forward(self, *args):
+        with torch.autocast(self.device_type, dtype=torch.bfloat16):
+            return self.inner(*args)
+
+
 def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0, select=1):
     """Rank body: a loop through pgd.wrap(), and what report() says about it.
 
     variant: readme (loss from the model), aux (a regulariser over the
-    parameters outside the model: eager on any device), wd (weight_decay
+    parameters outside the model: eager on any device), div1 (backward() of
+    loss / 1, as Accelerate's backward() at gradient_accumulation_steps=1),
+    inner (bf16 autocast inside the module's forward, as Accelerate patches
+    it in), wd (weight_decay
     changed every 5 steps: invalidations until eager). clip: clip_grad_norm_
     between backward and step (tier 2 on a GPU). backend: "auto" (pgd.init())
     or a stock backend name given to init_process_group directly. select: wrap(select=...)."""
@@ -283,7 +298,7 @@ def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0,
         dist.init_process_group(backend)  # env:// from the launcher, as mp.spawn scripts do
     rank, dev = dist.get_rank(), device()
     torch.manual_seed(0)
-    base = MLP().to(dev)
+    base = (InnerAutocast(MLP(), dev.type) if variant == "inner" else MLP()).to(dev)
     opt = torch.optim.AdamW(base.parameters(), lr=1e-3, weight_decay=0.01)
     model, opt = pgd.wrap(base, opt, select=bool(select))
     ac = (torch.autocast(dev.type, dtype=getattr(torch, autocast)) if autocast
@@ -298,6 +313,8 @@ def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0,
             loss = model(x, y)
         if variant == "aux":
             loss = loss + 1e-4 * sum(p.pow(2).sum() for p in model.parameters())
+        if variant == "div1":
+            loss = loss / 1
         loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -332,6 +349,25 @@ def test_report_of_a_cpu_loop_is_short_and_consistent(ranks, variant):
             assert "test_report.py:" in flat(text) and "precision: fp32" in flat(text), text
             assert "loop check: not graphable:" in flat(verbose), verbose
         assert not r["stock_warnings"]  # CPU: no fingerprints to lose
+
+
+@pytest.mark.parametrize("variant", ["div1", "inner"])
+def test_loss_over_one_conforms_and_inner_autocast_is_reported(ranks, variant):
+    """backward() of loss / 1 is the returned loss's backward (the loop stays
+    fit for tier 1); autocast entered inside forward is the precision reported."""
+    for r in ranks("test_report:loop_report", timeout=120, kwargs={"variant": variant}):
+        text, verbose = r["text"], r["verbose"]
+        assert verbose.count("loop check: conforms") == 1, verbose
+        if variant == "inner":
+            assert "precision: autocast bf16 inside the model's forward" in flat(text), text
+        else:
+            assert "precision: fp32" in flat(text), text
+
+
+@pytest.mark.gpu
+def test_loss_over_one_replays_tier1_on_gpu(ranks):
+    r, = ranks("test_report:loop_report", world_size=1, timeout=300, kwargs={"variant": "div1", "steps": 20})
+    assert r["tiers"] == ["1"] and r["phases"] == ["replay"], r["verbose"]
 
 
 @pytest.mark.gpu

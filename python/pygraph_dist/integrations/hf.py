@@ -142,7 +142,8 @@ class PGDAccelerator(Accelerator):
                 logger.info("accelerate: %s wrapped by pygraph_dist instead of %s%s", type(model).__name__,
                             "DistributedDataParallel" if self.use_distributed else "nothing (one process)",
                             f"; Accelerate's {self.mixed_precision} autocast runs inside the module's forward "
-                            "(pygraph_dist's own amp stays off, so report() says amp fp32)"
+                            f"(pygraph_dist's own amp stays off; report(): 'autocast {self.mixed_precision} "
+                            "inside the model's forward')"
                             if self.native_amp else "")
         return super().prepare(*args, device_placement=device_placement)
 
@@ -174,6 +175,42 @@ class PGDAccelerator(Accelerator):
             model = model.module
         return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper,
                                     keep_torch_compile=keep_torch_compile)
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """As Accelerate's, except for the parameters of a model wrapped with
+        ``max_grad_norm`` (``PGDTrainer`` sets it from ``TrainingArguments.max_grad_norm``;
+        ``PGDAccelerator(max_grad_norm=...)`` for an Accelerate loop): those are
+        clipped inside the optimizer step, in the graph, with the same
+        ``clip_grad_norm_``. Returns the norm before clipping, as Accelerate's:
+        at once when the step already ran (tier 1), else a tensor that
+        ``optimizer.step()`` fills (NaN until then; the Trainer logs it after
+        the step)."""
+        parameters = list(parameters) if not isinstance(parameters, torch.Tensor) else [parameters]
+        model = self._pgd_model_of(parameters)
+        configured = model.engine.step.max_grad_norm if model is not None else None
+        if configured is None:
+            if model is not None and not getattr(self, "_pgd_clip_hint", False) and self.is_main_process:
+                self._pgd_clip_hint = True
+                logger.info("accelerate: clip_grad_norm_ runs between the graphs (tier 2); pass "
+                            "max_grad_norm=%s to PGDAccelerator to clip inside the optimizer step's graph",
+                            max_norm)
+            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        if float(max_norm) != configured or float(norm_type) != 2.0:
+            raise ValueError(
+                f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) on a model that "
+                f"pygraph_dist clips inside the optimizer step with max_grad_norm={configured} (norm 2): "
+                "clipping twice would train differently. Pass the same max_norm, or leave max_grad_norm "
+                "out of the PGDAccelerator/PGDTrainer options.")
+        return model.engine.grad_norm_after_step()
+
+    def _pgd_model_of(self, parameters: list) -> GraphedModule | None:
+        """The prepared pygraph_dist model whose parameters ``parameters`` are, in order."""
+        for model in self._models:
+            if isinstance(model, GraphedModule):
+                own = list(model.parameters())
+                if len(own) == len(parameters) and all(a is b for a, b in zip(own, parameters)):
+                    return model
+        return None
 
     @staticmethod
     @contextlib.contextmanager
@@ -302,7 +339,14 @@ if _transformers is not None:
             accelerator = self.accelerator
             if not isinstance(accelerator, PGDAccelerator):
                 accelerator.__class__ = PGDAccelerator
-                accelerator._pgd_configure(getattr(self, "pgd_wrap_options", {}))
+                options = dict(getattr(self, "pgd_wrap_options", {}))
+                clip = self.args.max_grad_norm
+                if clip and clip > 0 and accelerator.scaler is None:
+                    # Trainer clips every optimizer step with this value (_clip_grad_norm): inside
+                    # the step graph instead (PGDAccelerator.clip_grad_norm_). Not under fp16, whose
+                    # GradScaler Accelerate unscales before clipping, between the graphs.
+                    options.setdefault("max_grad_norm", float(clip))
+                accelerator._pgd_configure(options)
 else:
 
     def __getattr__(name: str):

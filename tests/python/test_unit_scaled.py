@@ -1,0 +1,38 @@
+"""``conformance.unit_scaled``: which ``backward()`` targets are the returned
+loss's own backward (Accelerate divides by ``gradient_accumulation_steps``)."""
+
+from __future__ import annotations
+
+import torch
+
+from pygraph_dist.conformance import unit_scaled
+
+
+def _loss():
+    w = torch.randn(3, requires_grad=True)
+    return (w * 2).sum()
+
+
+def test_loss_times_or_over_one_is_the_loss():
+    loss = _loss()
+    for target in (loss / 1, loss * 1, 1 * loss, loss / 1.0, loss.div(1)):
+        assert unit_scaled(target, loss)
+
+
+def test_other_scales_and_other_tensors_are_not():
+    loss, other = _loss(), _loss()
+    assert not unit_scaled(loss / 2, loss)
+    assert not unit_scaled(loss * 0.5, loss)
+    assert not unit_scaled(other / 1, loss)  # another loss
+    assert not unit_scaled(loss + 0, loss)
+    assert not unit_scaled((loss / 1) / 1, loss)  # two steps away: not recognised
+    assert not unit_scaled(loss / torch.ones((), requires_grad=True), loss)  # the divisor has a gradient
+    assert not unit_scaled(loss.double() / 1, loss)
+    assert not unit_scaled(loss, loss) and not unit_scaled(None, loss) and not unit_scaled(loss / 1, None)
+
+
+def test_a_leaf_loss_handed_out_by_a_replay():
+    """Tier 1 hands out the loss as a leaf that requires grad."""
+    leaf = _loss().detach().clone().requires_grad_(True)
+    assert unit_scaled(leaf / 1, leaf)
+    assert not unit_scaled(leaf / 3, leaf)
