@@ -58,17 +58,20 @@ def child(args: argparse.Namespace) -> dict:
     model = ex.LitGPT(vocab=256, seq=args.seq, layers=args.layers, width=args.width,
                       heads=max(1, args.width // 64))
     accumulate = 2
-    train, _ = ex.loaders(args.batch, args.seq, 256, train_batches=args.steps * accumulate)
+    train, _ = ex.loaders(args.batch, args.seq, 256, train_batches=args.steps * accumulate * args.devices)
     clock = Clock()
     trainer = L.Trainer(
-        strategy=ex.strategy_for(args.child), accelerator="gpu" if gpu else "cpu", devices=1,
+        strategy=ex.strategy_for(args.child), accelerator="gpu" if gpu else "cpu", devices=args.devices,
         precision="bf16-mixed" if gpu else "32-true", accumulate_grad_batches=accumulate,
         gradient_clip_val=1.0, max_steps=args.steps, limit_val_batches=0, log_every_n_steps=10,
         enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[clock])
     trainer.fit(model, train)
     timed = clock.step1 - clock.step0
-    row = {"strategy": args.child, "ms_per_step": 1e3 * (clock.t1 - clock.t0) / max(timed, 1),
+    if trainer.global_rank != 0:
+        return None  # rank 0 reports (Lightning's launcher started this process again for each rank)
+    row = {"strategy": args.child, "devices": args.devices,
+           "ms_per_step": 1e3 * (clock.t1 - clock.t0) / max(timed, 1),
            "steps_timed": timed, "steps": trainer.global_step,
            "final_loss": float(trainer.callback_metrics["train_loss"]),
            "device": torch.cuda.get_device_name() if gpu else "cpu",
@@ -90,12 +93,15 @@ def main() -> None:
     p.add_argument("--width", type=int, default=384)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--devices", type=int, default=1, help="GPUs (Lightning starts one process per GPU)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.smoke:
         args.steps, args.warmup_steps, args.layers, args.width, args.batch, args.seq = 4, 1, 2, 32, 4, 16
     if args.child:
-        Path(args.out).write_text(json.dumps(child(args)))
+        row = child(args)
+        if row is not None:
+            Path(args.out).write_text(json.dumps(row))
         return
 
     rows = []
@@ -103,7 +109,7 @@ def main() -> None:
         part = Path(f"{args.out}.{strategy}.part")
         cmd = [sys.executable, __file__, "--child", strategy, "--out", str(part), "--steps", str(args.steps),
                "--warmup-steps", str(args.warmup_steps), "--layers", str(args.layers), "--width",
-               str(args.width), "--batch", str(args.batch), "--seq", str(args.seq)]
+               str(args.width), "--batch", str(args.batch), "--seq", str(args.seq), "--devices", str(args.devices)]
         env = dict(os.environ)
         # One process, no launcher: Lightning asks mpi4py whether this is an MPI job,
         # and an Open MPI singleton init aborts without an ssh/rsh agent; there is none
@@ -123,7 +129,7 @@ def main() -> None:
               flush=True)
     by = {r["strategy"]: r["ms_per_step"] for r in rows}
     result = {"config": {k: getattr(args, k) for k in ("steps", "warmup_steps", "layers", "width", "batch",
-                                                       "seq", "smoke")} | {"accumulate_grad_batches": 2,
+                                                       "seq", "devices", "smoke")} | {"accumulate_grad_batches": 2,
                                                                          "gradient_clip_val": 1.0},
               "rows": rows}
     if "ddp" in by and "pgd" in by:
