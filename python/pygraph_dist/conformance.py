@@ -51,6 +51,8 @@ class LoopState:
         self.mode: Mode | None = None
         self.zeroed_since_step = True
         self.returned_loss: torch.Tensor | None = None
+        self.returned_edge: tuple | None = None
+        self.returned_version = 0
         self.probe_done = False
         self.verdict: str | None = None  # why the loop cannot be graphed, once agreed
         # Tier 2 (agreed during the probe): why the whole iteration cannot be one
@@ -160,6 +162,9 @@ class LoopState:
     def handed_out(self, loss: torch.Tensor | None, *, watch: bool = True) -> None:
         """The model call returned; ``loss`` is the loss among its outputs, or None."""
         self.returned_loss = loss
+        # Taken now: an in-place change of the loss (loss *= k) moves its grad_fn and version.
+        self.returned_edge = loss_edge(loss) if loss is not None else None
+        self.returned_version = loss._version if loss is not None else 0
         self.stage = Stage.FORWARD
         self.backward_seen = False
         if watch:
@@ -179,12 +184,14 @@ class LoopState:
                 )
         if isinstance(target, (list, tuple)) and len(target) == 1:
             target = target[0]
-        if target is not self.returned_loss and unit_scaled(target, self.returned_loss):
-            # Accelerate's backward() divides by gradient_accumulation_steps, 1 by
-            # default: loss / 1 seeds the model's backward with 1.0 / 1 == 1.0, the
-            # returned loss's own backward, bitwise.
-            target = self.returned_loss
-        if target is not self.returned_loss and self.output_nodes and self.reaches_params(target):
+        loss = self.returned_loss
+        # The returned loss, unchanged -- or scaled by 1 (Accelerate's loss / 1,
+        # the Trainer's loss *= 1): 1.0 / 1 == 1.0 seeds the same backward. Scaled
+        # by anything else, in place or not, it is another tensor.
+        is_loss = loss is not None and (
+            (target is loss and target._version == self.returned_version)
+            or unit_scaled(target, loss, self.returned_edge))
+        if not is_loss and self.output_nodes and self.reaches_params(target):
             self.violation(
                 "the loss's backward reaches model parameters directly, not only through the "
                 "outputs of the model call (for example a regulariser over model.parameters() "
@@ -194,7 +201,7 @@ class LoopState:
             )
         extra = any(kwargs.get(k) is not None for k in ("gradient", "grad_tensors", "inputs")) or bool(
             kwargs.get("create_graph"))
-        expected = target is self.returned_loss and not extra and self.stage is Stage.FORWARD
+        expected = is_loss and not extra and self.stage is Stage.FORWARD
         if not expected and self.returned_loss is None:
             self.violation(
                 "the loss is computed outside the model (the model call returned no loss, and "
@@ -209,7 +216,7 @@ class LoopState:
                 "backward() was called on a tensor other than the loss returned by the model call "
                 "(for example loss / accumulation_steps, a sum with another loss, or "
                 "scaler.scale(loss)), or with extra arguments"
-                if target is not self.returned_loss or extra
+                if not is_loss or extra
                 else "backward() was called twice in one training step",
                 "A graph applies the backward of the returned loss. Compute the full loss inside "
                 "the model or loss_fn=..., and use amp='fp16' instead of your own GradScaler.",
@@ -277,30 +284,46 @@ class LoopState:
 
 
 _UNIT_OPS = ("DivBackward0", "MulBackward0")
+_MAX_UNIT_STEPS = 4
 
 
-def unit_scaled(target, loss) -> bool:
-    """Whether ``target`` is ``loss / 1`` or ``loss * 1`` (a Python or CPU number
-    equal to 1): its backward is the loss's own, bitwise. Read from the autograd
-    node (``_saved_other``, a CPU number: no device sync)."""
+def loss_edge(loss: torch.Tensor) -> tuple:
+    """Where a tensor computed from ``loss`` points in autograd: its node and
+    output number, or (None, the tensor) for a leaf."""
+    return (loss.grad_fn, loss.output_nr) if loss.grad_fn is not None else (None, loss)
+
+
+def unit_scaled(target, loss, edge: tuple | None = None) -> bool:
+    """Whether ``target`` is ``loss`` scaled by 1 (``/ 1``, ``* 1``, in place or
+    not, up to a few times): its backward is the loss's own, bitwise.
+    Accelerate's backward() divides by gradient_accumulation_steps (1 by
+    default); transformers' Trainer.compute_loss multiplies in place by the
+    process count (1 in one process). ``edge``: ``loss_edge(loss)`` taken when
+    the loss was handed out, before any in-place change. The numbers are read
+    from the autograd nodes (``_saved_other``, a CPU number: no device sync)."""
     if not isinstance(target, torch.Tensor) or not isinstance(loss, torch.Tensor):
         return False
+    if target.dtype != loss.dtype or target.shape != loss.shape:
+        return False
+    want, want_nr = edge if edge is not None else loss_edge(loss)
     fn = target.grad_fn
-    if fn is None or type(fn).__name__ not in _UNIT_OPS or target.dtype != loss.dtype \
-            or target.shape != loss.shape:
-        return False
-    edges = fn.next_functions
-    if len(edges) != 2 or edges[1][0] is not None:
-        return False
-    node, nr = edges[0]
-    if loss.grad_fn is not None:
-        if node is not loss.grad_fn or nr != loss.output_nr:
+    for _ in range(_MAX_UNIT_STEPS):
+        if fn is None or type(fn).__name__ not in _UNIT_OPS:
             return False
-    elif getattr(node, "variable", None) is not loss:
-        return False
-    try:
-        other = fn._saved_other  # noqa: SLF001
-    except (AttributeError, RuntimeError):
-        return False
-    return (isinstance(other, torch.Tensor) and other.device.type == "cpu" and other.numel() == 1
-            and other.item() == 1)
+        edges = fn.next_functions
+        if len(edges) != 2 or edges[1][0] is not None:
+            return False
+        try:
+            other = fn._saved_other  # noqa: SLF001
+        except (AttributeError, RuntimeError):
+            return False
+        if not (isinstance(other, torch.Tensor) and other.device.type == "cpu" and other.numel() == 1
+                and other.item() == 1):
+            return False
+        node, nr = edges[0]
+        if want is not None and node is want and nr == want_nr:
+            return True
+        if want is None and getattr(node, "variable", None) is want_nr:
+            return True
+        fn = node
+    return False

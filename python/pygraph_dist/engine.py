@@ -333,8 +333,10 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         graph's own are overwritten by the next replay. The loss requires grad so
         that the user's ``loss.backward()`` is valid; the monitor makes it a no-op."""
         loss, out = result
-        fresh = loss.detach().clone()
-        fresh.requires_grad_(True)
+        # Not a leaf (a clone of a detached leaf): the loop may scale it in place
+        # (transformers' compute_loss: loss *= 1), which a leaf that requires grad refuses.
+        with torch.enable_grad():
+            fresh = loss.detach().requires_grad_(True).clone()
         self.loop.handed_out(fresh)
         if out is loss:
             return fresh

@@ -315,6 +315,8 @@ def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0,
             loss = loss + 1e-4 * sum(p.pow(2).sum() for p in model.parameters())
         if variant == "div1":
             loss = loss / 1
+        if variant in ("imul1", "imul2"):
+            loss *= 1 if variant == "imul1" else 2  # transformers' compute_loss scales in place
         loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -351,12 +353,16 @@ def test_report_of_a_cpu_loop_is_short_and_consistent(ranks, variant):
         assert not r["stock_warnings"]  # CPU: no fingerprints to lose
 
 
-@pytest.mark.parametrize("variant", ["div1", "inner"])
+@pytest.mark.parametrize("variant", ["div1", "imul1", "imul2", "inner"])
 def test_loss_over_one_conforms_and_inner_autocast_is_reported(ranks, variant):
     """backward() of loss / 1 is the returned loss's backward (the loop stays
     fit for tier 1); autocast entered inside forward is the precision reported."""
     for r in ranks("test_report:loop_report", timeout=120, kwargs={"variant": variant}):
         text, verbose = r["text"], r["verbose"]
+        if variant == "imul2":  # loss *= 2 is another loss: not tier 1
+            assert "loop check: conforms" not in verbose, verbose
+            assert "backward() was called on a tensor other than the loss" in flat(verbose), verbose
+            continue
         assert verbose.count("loop check: conforms") == 1, verbose
         if variant == "inner":
             assert "precision: autocast bf16 inside the model's forward" in flat(text), text
@@ -365,8 +371,9 @@ def test_loss_over_one_conforms_and_inner_autocast_is_reported(ranks, variant):
 
 
 @pytest.mark.gpu
-def test_loss_over_one_replays_tier1_on_gpu(ranks):
-    r, = ranks("test_report:loop_report", world_size=1, timeout=300, kwargs={"variant": "div1", "steps": 20})
+@pytest.mark.parametrize("variant", ["div1", "imul1"])
+def test_loss_over_one_replays_tier1_on_gpu(ranks, variant):
+    r, = ranks("test_report:loop_report", world_size=1, timeout=300, kwargs={"variant": variant, "steps": 20})
     assert r["tiers"] == ["1"] and r["phases"] == ["replay"], r["verbose"]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pygraph_dist.conformance import unit_scaled
+from pygraph_dist.conformance import loss_edge, unit_scaled
 
 
 def _loss():
@@ -15,7 +15,7 @@ def _loss():
 
 def test_loss_times_or_over_one_is_the_loss():
     loss = _loss()
-    for target in (loss / 1, loss * 1, 1 * loss, loss / 1.0, loss.div(1)):
+    for target in (loss / 1, loss * 1, 1 * loss, loss / 1.0, loss.div(1), (loss / 1) / 1):
         assert unit_scaled(target, loss)
 
 
@@ -25,7 +25,7 @@ def test_other_scales_and_other_tensors_are_not():
     assert not unit_scaled(loss * 0.5, loss)
     assert not unit_scaled(other / 1, loss)  # another loss
     assert not unit_scaled(loss + 0, loss)
-    assert not unit_scaled((loss / 1) / 1, loss)  # two steps away: not recognised
+    assert not unit_scaled((loss / 1) / 2, loss) and not unit_scaled((loss * 2) / 1, loss)
     assert not unit_scaled(loss / torch.ones((), requires_grad=True), loss)  # the divisor has a gradient
     assert not unit_scaled(loss.double() / 1, loss)
     assert not unit_scaled(loss, loss) and not unit_scaled(None, loss) and not unit_scaled(loss / 1, None)
@@ -36,3 +36,15 @@ def test_a_leaf_loss_handed_out_by_a_replay():
     leaf = _loss().detach().clone().requires_grad_(True)
     assert unit_scaled(leaf / 1, leaf)
     assert not unit_scaled(leaf / 3, leaf)
+
+
+def test_scaled_in_place_as_the_trainer_does():
+    """transformers' compute_loss: ``loss *= n_processes`` on the returned loss,
+    then Accelerate's ``loss / gradient_accumulation_steps``."""
+    for k, expect in ((1, True), (2, False)):
+        loss = _loss() * 1.0  # a non-leaf, as the model's loss
+        edge, version = loss_edge(loss), loss._version
+        loss *= k
+        assert loss._version != version  # the loop state tells the in-place change by this
+        assert unit_scaled(loss, loss, edge) is expect
+        assert unit_scaled(loss / 1, loss, edge) is expect
