@@ -281,6 +281,17 @@ def test_trainer_pgd_equals_ddp_cpu(ranks, schedule, precision):
 
 
 @pytest.mark.timeout(300)
+def test_trainer_accumulate_1_fits_tier1_cpu(ranks):
+    """accumulate_grad_batches=1: Lightning still divides the loss by it, and
+    loss / 1 is the loss: the loop fits one graph per step (tier 1), with
+    gradient_clip_val clipped in the step graph."""
+    for r in ranks("test_integration_lightning:trainer_pair", kwargs={"accumulate": 1}, timeout=280):
+        assert r["ddp"]["global_step"] == r["pgd"]["global_step"] == 6
+        _close(r["pgd"], r["ddp"])
+        assert r["pgd"]["loop"].startswith("conforms"), r["pgd"]["loop"]
+
+
+@pytest.mark.timeout(300)
 def test_trainer_resume_from_checkpoint_cpu(ranks):
     for r in ranks("test_integration_lightning:trainer_resume", timeout=280):
         assert r["resumed"]["global_step"] == r["straight"]["global_step"] > 0
@@ -361,9 +372,9 @@ def test_benchmark_smoke_cpu(tmp_path):
 
 
 # --------------------------------------------------------------------- GPU
-def trainer_graphed_vs_eager(precision: str = "bf16-mixed") -> dict:
+def trainer_graphed_vs_eager(precision: str = "bf16-mixed", accumulate: int = 2) -> dict:
     # select=False: keep the graphs even where the eager step is as fast (not what is tested here)
-    kwargs = dict(precision=precision, steps=20, batches=40, size="small", select=0)
+    kwargs = dict(precision=precision, steps=20, batches=40, size="small", select=0, accumulate=accumulate)
     return {"graphed": _trainer_fit("pgd", graphs=1, **kwargs), "eager": _trainer_fit("pgd", graphs=0, **kwargs)}
 
 
@@ -379,6 +390,19 @@ def test_trainer_graphs_bitwise_gpu(ranks, precision):
     assert g["reissued"] > 0, g["report"]  # self.log values issued again after replays
     assert g["losses"] == e["losses"] and len(g["losses"]) == 20
     assert g["val"] == e["val"]
+    for name in g["params"]:
+        assert g["params"][name] == e["params"][name], name
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_trainer_accumulate_1_replays_tier1_bitwise_gpu(ranks):
+    (r,) = ranks("test_integration_lightning:trainer_graphed_vs_eager", world_size=1,
+                 kwargs={"accumulate": 1}, timeout=560)
+    g, e = r["graphed"], r["eager"]
+    assert g["tiers"] == ["1"], g["report"]
+    assert g["replays"] >= 10, g["report"]
+    assert g["losses"] == e["losses"] and g["val"] == e["val"]
     for name in g["params"]:
         assert g["params"][name] == e["params"][name], name
 
