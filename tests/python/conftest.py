@@ -36,6 +36,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def pytest_runtest_logreport(report):
+    """With PGD_TEST_FAILURE_LOG=<file>, each failure's traceback is appended to
+    <file> as it happens, not only in the summary at the end of the session: a
+    GPU run cut off by its time limit still says why its failed tests failed."""
+    path = os.environ.get("PGD_TEST_FAILURE_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):  # xdist: the controller writes
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+
+
 @pytest.fixture(autouse=True)
 def cpu_children_unless_gpu_test(request, monkeypatch):
     """Processes started by a test not marked gpu/multigpu see no GPU, so the CPU
