@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -35,8 +36,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+if "WORLD_SIZE" not in os.environ and "CUDA_VISIBLE_DEVICES" not in os.environ:
+    # One process without a launcher: one GPU. With several visible, the stock Trainer
+    # would use nn.DataParallel (not the DDP baseline) and PGDTrainer refuses to.
+    os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
