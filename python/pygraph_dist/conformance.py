@@ -188,7 +188,7 @@ class LoopState:
         # The returned loss, unchanged -- or scaled by 1 (Accelerate's loss / 1,
         # the Trainer's loss *= 1): 1.0 / 1 == 1.0 seeds the same backward. Scaled
         # by anything else, in place or not, it is another tensor.
-        is_loss = loss is not None and (
+        is_loss = loss is not None and not getattr(target, "_backward_hooks", None) and (
             (target is loss and target._version == self.returned_version)
             or unit_scaled(target, loss, self.returned_edge))
         if not is_loss and self.output_nodes and self.reaches_params(target):

@@ -333,10 +333,12 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         graph's own are overwritten by the next replay. The loss requires grad so
         that the user's ``loss.backward()`` is valid; the monitor makes it a no-op."""
         loss, out = result
-        # Not a leaf (a clone of a detached leaf): the loop may scale it in place
-        # (transformers' compute_loss: loss *= 1), which a leaf that requires grad refuses.
+        # Not a leaf (a clone of a leaf copy): the loop may scale it in place
+        # (transformers' compute_loss: loss *= 1), which a leaf that requires grad
+        # refuses. The leaf is a copy too: its autograd edge keeps it alive as long
+        # as the user keeps the loss, and the graph's pool must not be held by that.
         with torch.enable_grad():
-            fresh = loss.detach().requires_grad_(True).clone()
+            fresh = loss.detach().clone().requires_grad_(True).clone()
         self.loop.handed_out(fresh)
         if out is loss:
             return fresh

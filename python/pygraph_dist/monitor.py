@@ -95,6 +95,9 @@ class Violation:
         return f"{self.what} at {self.where}. {self.fix}"
 
 
+_HOOK_METHODS = {"register_hook", "retain_grad", "register_post_accumulate_grad_hook"}
+
+
 def _func_name(func) -> str:
     return getattr(func, "__name__", "") or ""
 
@@ -192,6 +195,19 @@ class LoopMonitor(TorchFunctionMode):
             if self.loop.backward_called(target, kwargs):
                 return func(*args, **kwargs)
             return None
+        name = _func_name(func)
+        if name in _HOOK_METHODS:
+            # A hook on a tensor of this step: tier 1 ran the backward at the model
+            # call, without it; tier 2 runs the user's backward as written.
+            self.loop.violation(
+                f"{name}() on a tensor {self.window}",
+                "A graph runs the whole backward at the model call, without hooks registered after "
+                "it; register gradient hooks on parameters before the loop, or inside the module's "
+                "forward. This loop is graphed per micro-batch (tier 2).",
+                defer=True,
+                split_ok=True,
+            )
+            return func(*args, **kwargs)
         if func is torch.autograd.grad:
             self.loop.violation(
                 "torch.autograd.grad() between the model call and optimizer.step()",
@@ -200,7 +216,6 @@ class LoopMonitor(TorchFunctionMode):
                 defer=True,
             )
             return func(*args, **kwargs)
-        name = _func_name(func)
         if _is_mutating(name, kwargs):
             targets = list(_tensors(args[:1])) + list(_tensors(kwargs.get("out")))
             owned = self._owned_storages()

@@ -50,7 +50,8 @@ class ProbeCalls:
             args, kwargs, watcher = self.ignored.watch(args, kwargs)
         with self.step.on_compute_stream(), watch_host_syncs(
                 probe and self.device.type == "cuda", self.runner.sync_sites), \
-                watch_inner_autocast(probe and not self._inner_seen, self.device.type, self._inner_seen), \
+                watch_inner_autocast(probe and not self._inner_seen and not self.compiled,  # hooks: recompiles
+                                     self.device.type, self._inner_seen), \
                 watcher if watcher is not None else contextlib.nullcontext():
             loss, out = self.step.forward(args, kwargs, sync=self._call_sync, need_loss=False)
         if watcher is not None:

@@ -76,8 +76,9 @@ class IterationStep:
         self.max_grad_norm = max_grad_norm
         # The global norm of the last clipped step, before clipping (written inside
         # the step graph too): what a framework's clip_grad_norm_() hands back.
-        self.grad_norm = (torch.zeros((), dtype=torch.float32, device=device)
-                          if max_grad_norm is not None else None)
+        # In the gradients' dtype, as clip_grad_norm_ returns it.
+        self.grad_norm = (torch.zeros((), dtype=reducer.params[0].dtype if reducer.params else torch.float32,
+                                      device=device) if max_grad_norm is not None else None)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)

@@ -322,6 +322,54 @@ def clip_mismatch():
     return {"error": ""}
 
 
+def clip_filtered(subset: int = 0):
+    """Rank body: a model with a frozen parameter, the loop clipping the trainable
+    ones (as LoRA loops do) -- with accelerate.Accelerator and with
+    PGDAccelerator(max_grad_norm=1.0). subset: clip only part of them (refused)."""
+    from accelerate import Accelerator
+
+    import pygraph_dist as pgd
+    from pygraph_dist.integrations.hf import PGDAccelerator
+
+    pgd.init()
+
+    def train(accelerator):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        model[0].bias.requires_grad_(False)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        model, opt = accelerator.prepare(model, opt)
+        g = torch.Generator().manual_seed(1)
+        norms = []
+        for _ in range(3):
+            loss = model(10 * torch.randn(4, 8, generator=g)).pow(2).mean()
+            accelerator.backward(loss)
+            params = [p for p in model.parameters() if p.requires_grad]
+            norm = accelerator.clip_grad_norm_(params[:1] if subset else params, 1.0)
+            opt.step()
+            opt.zero_grad()
+            norms.append(float(norm))  # after the step, as the Trainer logs it
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), norms
+
+    stock, stock_norms = train(Accelerator(cpu=True))
+    try:
+        ours, norms = train(PGDAccelerator(cpu=True, max_grad_norm=1.0))
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"error": "", "max_diff": float((ours - stock).abs().max()), "norms": norms, "stock_norms": stock_norms}
+
+
+@pytest.mark.parametrize("subset", [0, 1])
+def test_clip_of_trainable_parameters_clips_once(ranks, subset):
+    r, = ranks("test_integration_hf:clip_filtered", world_size=1, timeout=120, kwargs={"subset": subset})
+    if subset:
+        assert "only part of those parameters" in r["error"], r["error"]
+        return
+    assert not r["error"], r["error"]
+    assert r["norms"] == pytest.approx(r["stock_norms"], rel=1e-6) and min(r["norms"]) > 1.0, r
+    assert r["max_diff"] < 1e-6, r
+
+
 def test_clip_value_other_than_wraps_is_refused(ranks):
     r, = ranks("test_integration_hf:clip_mismatch", world_size=1, timeout=120)
     assert "max_grad_norm=0.5" in r["error"] and "clipping twice" in r["error"], r["error"]

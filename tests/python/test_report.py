@@ -315,6 +315,9 @@ def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0,
             loss = loss + 1e-4 * sum(p.pow(2).sum() for p in model.parameters())
         if variant == "div1":
             loss = loss / 1
+        if variant == "hook":  # a hook on the loss: tier 1 would run the backward without it
+            loss = loss / 1
+            loss.register_hook(lambda g: g * 2)
         if variant in ("imul1", "imul2"):
             loss *= 1 if variant == "imul1" else 2  # transformers' compute_loss scales in place
         loss.backward()
@@ -353,7 +356,7 @@ def test_report_of_a_cpu_loop_is_short_and_consistent(ranks, variant):
         assert not r["stock_warnings"]  # CPU: no fingerprints to lose
 
 
-@pytest.mark.parametrize("variant", ["div1", "imul1", "imul2", "inner"])
+@pytest.mark.parametrize("variant", ["div1", "imul1", "imul2", "hook", "inner"])
 def test_loss_over_one_conforms_and_inner_autocast_is_reported(ranks, variant):
     """backward() of loss / 1 is the returned loss's backward (the loop stays
     fit for tier 1); autocast entered inside forward is the precision reported."""
@@ -362,6 +365,10 @@ def test_loss_over_one_conforms_and_inner_autocast_is_reported(ranks, variant):
         if variant == "imul2":  # loss *= 2 is another loss: not tier 1
             assert "loop check: conforms" not in verbose, verbose
             assert "backward() was called on a tensor other than the loss" in flat(verbose), verbose
+            continue
+        if variant == "hook":
+            assert "loop check: conforms" not in verbose, verbose
+            assert "register_hook() on a tensor" in flat(verbose), verbose
             continue
         assert verbose.count("loop check: conforms") == 1, verbose
         if variant == "inner":

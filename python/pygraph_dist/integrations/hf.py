@@ -185,7 +185,7 @@ class PGDAccelerator(Accelerator):
         at once when the step already ran (tier 1), else a tensor that
         ``optimizer.step()`` fills (NaN until then; the Trainer logs it after
         the step)."""
-        parameters = list(parameters) if not isinstance(parameters, torch.Tensor) else [parameters]
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         model = self._pgd_model_of(parameters)
         configured = model.engine.step.max_grad_norm if model is not None else None
         if configured is None:
@@ -195,21 +195,26 @@ class PGDAccelerator(Accelerator):
                             "max_grad_norm=%s to PGDAccelerator to clip inside the optimizer step's graph",
                             max_norm)
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-        if float(max_norm) != configured or float(norm_type) != 2.0:
+        # The step clips every trainable parameter of the model (frozen ones have no gradient):
+        # the call must ask for the same, or clipping would happen twice or over another set.
+        passed = {id(p) for p in parameters}
+        covers = all(id(p) in passed for p in model.parameters() if p.requires_grad)
+        if float(max_norm) != configured or float(norm_type) != 2.0 or not covers:
             raise ValueError(
                 f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) on a model that "
-                f"pygraph_dist clips inside the optimizer step with max_grad_norm={configured} (norm 2): "
-                "clipping twice would train differently. Pass the same max_norm, or leave max_grad_norm "
-                "out of the PGDAccelerator/PGDTrainer options.")
+                f"pygraph_dist clips inside the optimizer step with max_grad_norm={configured} (norm 2, "
+                "over all its trainable parameters)"
+                + ("" if covers else ", over only part of those parameters")
+                + ": clipping twice would train differently. Pass the same max_norm and the model's "
+                "parameters, or leave max_grad_norm out of the PGDAccelerator/PGDTrainer options.")
         return model.engine.grad_norm_after_step()
 
     def _pgd_model_of(self, parameters: list) -> GraphedModule | None:
-        """The prepared pygraph_dist model whose parameters ``parameters`` are, in order."""
+        """The prepared pygraph_dist model any of ``parameters`` belongs to."""
+        ids = {id(p) for p in parameters}
         for model in self._models:
-            if isinstance(model, GraphedModule):
-                own = list(model.parameters())
-                if len(own) == len(parameters) and all(a is b for a, b in zip(own, parameters)):
-                    return model
+            if isinstance(model, GraphedModule) and any(id(p) in ids for p in model.parameters()):
+                return model
         return None
 
     @staticmethod
@@ -325,6 +330,7 @@ if _transformers is not None:
         def __init__(self, *args, **kwargs) -> None:
             wrap_options, kwargs = split_wrap_options(dict(kwargs))
             self.pgd_wrap_options = wrap_options  # read by create_accelerator_and_postprocess
+            self._pgd_model = kwargs.get("model", args[0] if args else None)  # the same, before Trainer sets it
             super().__init__(*args, **kwargs)
             if self.args.n_gpu > 1:
                 # Trainer's own multi-GPU mode without a launcher wraps the model in nn.DataParallel
@@ -341,10 +347,15 @@ if _transformers is not None:
                 accelerator.__class__ = PGDAccelerator
                 options = dict(getattr(self, "pgd_wrap_options", {}))
                 clip = self.args.max_grad_norm
-                if clip and clip > 0 and accelerator.scaler is None:
+                model = getattr(self, "_pgd_model", None)
+                sparse = model is not None and any(
+                    getattr(m, "sparse", False) for m in model.modules()
+                    if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
+                if clip and clip > 0 and accelerator.scaler is None and not sparse:
                     # Trainer clips every optimizer step with this value (_clip_grad_norm): inside
                     # the step graph instead (PGDAccelerator.clip_grad_norm_). Not under fp16, whose
-                    # GradScaler Accelerate unscales before clipping, between the graphs.
+                    # GradScaler Accelerate unscales before clipping, between the graphs; not with
+                    # sparse embeddings, whose gradients wrap() cannot clip inside the step.
                     options.setdefault("max_grad_norm", float(clip))
                 accelerator._pgd_configure(options)
 else:
