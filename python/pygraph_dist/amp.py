@@ -34,6 +34,11 @@ _ALIASES = {
 }
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The short name report() uses for an autocast dtype: "bf16", "fp16", or torch's name."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).replace("torch.", ""))
+
+
 @dataclass(frozen=True)
 class AmpConfig:
     dtype: torch.dtype | None

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ._ext import C
+from .amp import dtype_name
 from .param_groups import group_versions, hyperparams_drift, same_versions
 from .reducer import decode_param_state
 from .spans import timed
@@ -354,5 +355,4 @@ def _autocast_name(key: tuple) -> str:
     ambient = key[2][-2:] if len(key) == 3 else ()  # evaluation keys put their mode first
     if len(ambient) != 2 or not ambient[0]:
         return ""
-    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-    return names.get(ambient[1], str(ambient[1]).replace("torch.", ""))
+    return dtype_name(ambient[1])

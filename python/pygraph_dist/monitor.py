@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .amp import dtype_name
 from .spans import timed
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -310,9 +311,7 @@ def watch_inner_autocast(enabled: bool, device_type: str, seen: list[str]):
 
     def hook(module, args):  # noqa: ARG001
         if not seen and torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            seen.append({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
-                dtype, str(dtype).replace("torch.", "")))
+            seen.append(dtype_name(torch.get_autocast_dtype(device_type)))
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
     try:

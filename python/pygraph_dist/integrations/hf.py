@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 import pygraph_dist as pgd
 from pygraph_dist import GraphedModule
+from pygraph_dist.config import sparse_param_names
 
 EXTRA_HINT = "pip install pygraph_dist[hf]"
 
@@ -112,6 +113,7 @@ class PGDAccelerator(Accelerator):
         """The state PGDAccelerator adds (also called after PGDTrainer's class change)."""
         self.pgd_wrap_options = dict(wrap_options)
         self._pgd_preparing = False
+        self._pgd_clip_hint = False  # the tier-2 clipping hint, logged once
 
     # ------------------------------------------------------------ prepare
     def prepare(self, *args, device_placement=None):
@@ -189,7 +191,7 @@ class PGDAccelerator(Accelerator):
         model = self._pgd_model_of(parameters)
         configured = model.engine.step.max_grad_norm if model is not None else None
         if configured is None:
-            if model is not None and not getattr(self, "_pgd_clip_hint", False) and self.is_main_process:
+            if model is not None and not self._pgd_clip_hint and self.is_main_process:
                 self._pgd_clip_hint = True
                 logger.info("accelerate: clip_grad_norm_ runs between the graphs (tier 2); pass "
                             "max_grad_norm=%s to PGDAccelerator to clip inside the optimizer step's graph",
@@ -348,9 +350,8 @@ if _transformers is not None:
                 options = dict(getattr(self, "pgd_wrap_options", {}))
                 clip = self.args.max_grad_norm
                 model = getattr(self, "_pgd_model", None)
-                sparse = model is not None and any(
-                    getattr(m, "sparse", False) for m in model.modules()
-                    if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
+                sparse = model is not None and bool(sparse_param_names(
+                    model, {n for n, p in model.named_parameters() if p.requires_grad}))
                 if clip and clip > 0 and accelerator.scaler is None and not sparse:
                     # Trainer clips every optimizer step with this value (_clip_grad_norm): inside
                     # the step graph instead (PGDAccelerator.clip_grad_norm_). Not under fp16, whose
