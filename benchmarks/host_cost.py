@@ -18,6 +18,8 @@ Modes (the user's loop; each row is (mode, layers)):
   pgd_tier2     pygraph_dist.wrap(bare net); loss = F.cross_entropy(model(x), y)
   pgd_clip      pgd_tier2 + torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 between backward and step
+  pgd_clip_in   pgd_tier1 + the same clip_grad_norm_ between backward and step
+                (tier 1: the clip moves into the step graph)
   pgd_accum4    pgd_tier2 over 4 micro-batches of 2 rows, the first 3 inside
                 model.no_sync(), loss / 4
   callables     torch's own tier-2 recipe, by hand: the bare net through
@@ -78,7 +80,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 WIDTH, CLASSES, BATCH, ACCUM, CLIP_NORM, LR, BATCHES = 256, 10, 8, 4, 1.0, 1e-4, 8
-ALL_MODES = ["hand", "pgd_tier1", "callables", "pgd_tier2", "pgd_clip", "pgd_accum4", "eager"]
+ALL_MODES = ["hand", "pgd_tier1", "pgd_clip_in", "callables", "pgd_tier2", "pgd_clip", "pgd_accum4", "eager"]
 GPU_ONLY = {"hand", "callables"}
 LABELS = {
     "hand": "hand-written whole-iteration graph",
@@ -86,6 +88,7 @@ LABELS = {
     "callables": "torch.cuda.make_graphed_callables, loss outside, eager fused step",
     "pgd_tier2": "pygraph_dist, loss outside",
     "pgd_clip": "pygraph_dist, loss outside + clip_grad_norm_",
+    "pgd_clip_in": "pygraph_dist, loss in the module + clip_grad_norm_",
     "pgd_accum4": "pygraph_dist, loss outside, 4 micro-batches (no_sync)",
     "eager": "eager (no DDP, one process)",
 }
@@ -137,10 +140,14 @@ def with_loss(net):
     return WithLoss()
 
 
-def loop_inside(model, opt, x, y):
+def loop_inside(model, opt, x, y, clip: bool = False):
+    import torch
+
     opt.zero_grad(set_to_none=True)
     loss = model(x, y)
     loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
     opt.step()
     return loss
 
@@ -208,10 +215,11 @@ class Mode:
             return
         import pygraph_dist as pgd
 
-        module = with_loss(net) if self.name == "pgd_tier1" else net
+        module = with_loss(net) if self.name in ("pgd_tier1", "pgd_clip_in") else net
         self.model, self.opt = pgd.wrap(module, opt)
         self.fn = {"pgd_tier1": loop_inside, "pgd_tier2": loop_outside, "pgd_accum4": loop_accum,
-                   "pgd_clip": lambda m, o, x, y: loop_outside(m, o, x, y, clip=True)}[self.name]
+                   "pgd_clip": lambda m, o, x, y: loop_outside(m, o, x, y, clip=True),
+                   "pgd_clip_in": lambda m, o, x, y: loop_inside(m, o, x, y, clip=True)}[self.name]
 
     def _setup_hand(self) -> None:
         import torch

@@ -229,7 +229,7 @@ class GraphRunner:
         step_graph = torch.cuda.CUDAGraph()
         try:
             with self.capturing(step_graph, pool):
-                step.apply_step(None, part="graphed")
+                step.apply_step(None, part="graphed", owned=True)
         except BaseException:
             discard(step_graph)
             raise
@@ -241,8 +241,9 @@ class GraphRunner:
                       (repr(v) if not isinstance(v, torch.Tensor) else "tensor"))
                   for k, v in g.items()} for g in snapshot_hyperparams(self.optimizer)]
         split = [(b, self.reducer.kinds[b]) for b in entry.eager_buckets]
+        clip = self.step.routed_clip
         return repr((entry.description, self.step.amp.name, self.step.max_grad_norm, hyper, split,
-                     str(self.reducer.comm_dtype)))
+                     str(self.reducer.comm_dtype), clip.max_norm if clip is not None else None))
 
     def _restore_after_failed_capture(self, generator, rng_snapshot) -> None:
         """Undo what a failed capture leaves behind. A capture that dies before

@@ -68,6 +68,11 @@ class LoopState:
         self.param_ids: set[int] = set()
         self.monitor = LoopMonitor(self, owned_storages) if monitor else None
         self.forward_violations: list[Violation] = []
+        # clip_route.py: the user's clip_grad_norm_ seen in this probe step, the
+        # probe steps' so far, and the calls in this (owned) iteration.
+        self.clip_this_step = None
+        self.clip_probe: list = []
+        self.clip_calls = 0
 
     @property
     def owned(self) -> bool:
@@ -167,6 +172,7 @@ class LoopState:
         self.returned_version = loss._version if loss is not None else 0
         self.stage = Stage.FORWARD
         self.backward_seen = False
+        self.clip_calls = 0
         if watch:
             self.watch(AFTER_CALL)
 
@@ -274,6 +280,21 @@ class LoopState:
         self.zero_check_pending = False
         self.output_nodes = set()
         return seen
+
+    def stage_after_backward(self) -> bool:
+        return self.stage is Stage.BACKWARD
+
+    def clip_seen(self, plan) -> None:
+        """Probe: a clip_grad_norm_ the step could apply (clip_route.py)."""
+        if self.clip_this_step is not None:
+            self.violation("clip_grad_norm_() was called twice in one step",
+                           "Clip once per step to have the whole iteration graphed.", split_ok=True)
+        self.clip_this_step = plan
+
+    def end_probe_step(self) -> None:
+        """Probe: this step's clip joins the probe's record."""
+        self.clip_probe.append(self.clip_this_step)
+        self.clip_this_step = None
 
     @timed("loop state")
     def zero_grad_called(self) -> None:

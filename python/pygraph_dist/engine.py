@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import lifetime
+from . import clip_route, lifetime
 from ._ext import C
 from .arguments import VaryingScalars, leaf_name
 from .capture import SELECT_REPLAYS
@@ -383,6 +383,15 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         out = torch.full_like(norm, float("nan"))
         self._norm_requests.append(out)
         return out
+
+    def user_clip(self, params: list, max_norm, norm_type, error_if_nonfinite, foreach):
+        """``torch.nn.utils.clip_grad_norm_`` over this model's parameters (clip_route.py)."""
+        return clip_route.route(self, params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def probing(self) -> bool:
+        """A probe iteration: the loop runs as written, watched."""
+        m = self.loop.monitor
+        return self._phase == Phase.PROBE and not self.loop.owned and m is not None and m.active
 
     def _fill_norm_requests(self) -> None:
         if self._norm_requests:

@@ -56,6 +56,8 @@ class EngineState:
                     f"because: {self.loop.split_reason}")
         elif self.loop.probe_done:
             loop = f"conforms (checked over {self.config.probe} probe iterations)"
+            if self.step.routed_clip is not None and self.graphs_possible:
+                loop += f"; your {self.step.routed_clip.describe()}"
         else:
             loop = "not checked yet"
         stock = self.device.type == "cuda" and self.fp_backend is None and self.graphs_possible

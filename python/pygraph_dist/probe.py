@@ -22,10 +22,10 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from . import agreement
+from . import agreement, clip_route
 from ._ext import C
 from .graph_cache import GraphEntry
-from .monitor import watch_host_syncs, watch_inner_autocast
+from .monitor import Violation, user_location, watch_host_syncs, watch_inner_autocast
 from .split import output_tensors
 from .step import map_outputs
 
@@ -78,14 +78,21 @@ class ProbeCalls:
         return out
 
     def _finish_probe(self, entry: GraphEntry, violations) -> None:
+        self.loop.end_probe_step()
+        clip, why = clip_route.probe_plan(self.loop)
+        if why:
+            violations = [*violations, Violation(why, user_location(), "Call clip_grad_norm_ the same "
+                                                 "way every step to have the whole iteration graphed.",
+                                                 split_ok=True)]
         whats: set[str] = set()
         unique = [v for v in violations if not (v.what in whats or whats.add(v.what))]  # each once
         verdict = agreement.agree(
             ok=not violations,
             reason="; ".join(str(v) for v in unique),
-            digests=[],
+            digests=[clip.digest() if clip is not None else 0],
             group=self.group,
             device=self.agree_device,
+            explain=lambda everyone: "ranks clip differently (clip_grad_norm_'s max_norm or parameters)",
         )
         if not verdict.agreed:
             # Not one graph per iteration. Tier 2 if every rank's deviations
@@ -117,5 +124,7 @@ class ProbeCalls:
             return
         if entry.policy.phase != Phase.PROBE:  # last probe iteration done
             self.loop.probe_done = True
+            if clip is not None:  # the user's clip_grad_norm_ moves into the step (clip_route.py)
+                self.step.route_clip(clip)
             if self.graphs_reason:
                 entry.policy.disable(self.graphs_reason)

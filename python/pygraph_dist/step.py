@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import collectives
+from . import clip_route, collectives
 from .amp import AmpConfig, ScaleGrad
 from .reducer import GradientReducer
 
@@ -77,8 +77,10 @@ class IterationStep:
         # The global norm of the last clipped step, before clipping (written inside
         # the step graph too): what a framework's clip_grad_norm_() hands back.
         # In the gradients' dtype, as clip_grad_norm_ returns it.
-        self.grad_norm = (torch.zeros((), dtype=reducer.params[0].dtype if reducer.params else torch.float32,
-                                      device=device) if max_grad_norm is not None else None)
+        self.grad_norm = self._norm_buffer(device) if max_grad_norm is not None else None
+        # The user's own clip_grad_norm_, moved into the steps the engine runs
+        # (clip_route.py; agreed by the probe). Never in a step the loop runs.
+        self.routed_clip = None
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -95,6 +97,16 @@ class IterationStep:
         self.delegating = False
         # Whether place_optimizer_state() has run (it runs once, before the first step).
         self.state_placed = device.type != "cuda"
+
+    def _norm_buffer(self, device) -> torch.Tensor:
+        params = self.reducer.params
+        return torch.zeros((), dtype=params[0].dtype if params else torch.float32, device=device)
+
+    def route_clip(self, plan) -> None:
+        """Clip as ``plan`` (a clip_route.ClipPlan) in every step the engine runs."""
+        self.routed_clip = plan
+        if self.grad_norm is None:
+            self.grad_norm = self._norm_buffer(self.device)
 
     # ---------------------------------------------------------- streams
     @contextlib.contextmanager
@@ -172,7 +184,7 @@ class IterationStep:
             result = self.forward_backward(inputs)
         finally:
             self.reducer.defer_waits = False
-        self.apply_step(None)
+        self.apply_step(None, owned=True)
         return result
 
     def overlap_reason(self) -> str | None:
@@ -186,7 +198,8 @@ class IterationStep:
             return "nothing to overlap"
         if os.environ.get("PYGRAPH_DIST_STEP_OVERLAP", "1") == "0":
             return "switched off by PYGRAPH_DIST_STEP_OVERLAP=0"
-        if self.max_grad_norm is not None or self.grad_scaler is not None or self.skip_nonfinite:
+        if (self.max_grad_norm is not None or self.routed_clip is not None or self.grad_scaler is not None
+                or self.skip_nonfinite):
             return "the step needs every reduced gradient first (clipping, scaler or inf check)"
         if self.sparse_ids:
             return "sparse parameters split the step already"
@@ -197,7 +210,7 @@ class IterationStep:
             return "optimizer step hooks would run twice"
         return None
 
-    def apply_step(self, closure, part: str = "all"):
+    def apply_step(self, closure, part: str = "all", *, owned: bool = False):
         """Clip (if configured), then step — through GradScaler for fp16.
 
         With sparse parameters the step is split, always in the same way:
@@ -205,7 +218,11 @@ class IterationStep:
         ``part="sparse"`` the sparse ones (eagerly: sparse updates sync), and
         ``"all"`` does both in that order, so eager and graphed training
         run the same kernels. wrap() refuses clipping and fp16 with sparse
-        gradients, so both parts are plain optimizer steps."""
+        gradients, so both parts are plain optimizer steps.
+
+        ``owned``: the engine runs this iteration (warm-up, capture), so the
+        user's clip_grad_norm_ routed into the step applies (clip_route.py);
+        in a step the loop runs, the user's own call clips."""
         if not self.state_placed:
             self.place_optimizer_state()
         self.delegating = True
@@ -224,11 +241,15 @@ class IterationStep:
             if tail is not None:  # only left by body() when overlap_reason() is None
                 return self._step_around_tail(*tail)
             norm = None
+            routed = self.routed_clip if owned else None
             if self.max_grad_norm is not None:
                 if self.grad_scaler is not None:
                     self.grad_scaler.unscale_(self.optimizer)
-                grads = [p for p in self.reducer.params if p.grad is not None]
-                norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+                params = [p for p in self.reducer.params if p.grad is not None]
+                norm = clip_route.ORIGINAL(params, self.max_grad_norm)
+                self.grad_norm.copy_(norm)
+            elif routed is not None:  # torch's call as the user wrote it, their parameter order
+                norm = clip_route.ORIGINAL(routed.params, routed.max_norm, foreach=routed.foreach)
                 self.grad_norm.copy_(norm)
             if self.grad_scaler is not None:
                 result = self.grad_scaler.step(self.optimizer)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import kernels
+from . import clip_route, kernels
 from ._ext import graphs_available
 from .accumulation import LearnedAccumulation
 from .amp import ensure_scale_initialised, make_grad_scaler, parse_amp
@@ -128,6 +128,10 @@ class EngineWiring:
         self.agree_device = self.device if cuda else torch.device("cpu")
         self.loop = LoopState(self.owned_storages, monitor=config.monitor)
         self.loop.param_ids = {id(p) for p in self.reducer.params}
+        # Every parameter of the module, frozen ones too: clip_grad_norm_(model.parameters())
+        # is routed to this engine (clip_route.py).
+        self.clip_param_ids = frozenset(id(p) for p in module.parameters())
+        clip_route.install()
         timeout = config.replay_timeout
         if timeout is None:
             timeout = _group_timeout_s(self.group)

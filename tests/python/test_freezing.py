@@ -46,7 +46,7 @@ def freeze_schedule(how="pgd", graphs=1, steps=18, outside=0):
     net = Backbone().to(dev)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
     if how == "pgd":
-        model, opt = pgd.wrap(net, opt, graphs=bool(graphs), warmup=1)
+        model, opt = pgd.wrap(net, opt, graphs=bool(graphs), warmup=1, select=False)
     else:
         model = nn.parallel.DistributedDataParallel(
             net, find_unused_parameters=True, device_ids=[dev.index] if dev.type == "cuda" else None)

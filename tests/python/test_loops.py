@@ -24,15 +24,16 @@ from torch.nn import functional as F
 import pygraph_dist as pgd
 from common import device, flat_params
 
-LOOPS = ["readme", "outside", "outside_acc", "accum4", "accum4_nosync", "accum_ends_early", "clip",
-         "scaler", "two_losses", "dict", "tuple", "hf", "regularizer", "dropout"]
+LOOPS = ["readme", "readme_clip", "outside", "outside_acc", "accum4", "accum4_nosync", "accum_ends_early",
+         "clip", "scaler", "two_losses", "dict", "tuple", "hf", "regularizer", "dropout"]
 # The tier each loop gets on a GPU: 1 (the whole iteration in one graph) when the
 # loss comes out of the model call and the loop is one forward, backward and step;
 # 2 (forward and backward graphs per micro-batch, the user's code between them,
 # the step graph at optimizer.step()) for the other loops DDP accepts; 3 (eager,
 # as written, with the reason in report()) when the loss reaches parameters
 # other than through the model call's outputs.
-TIERS = {"readme": "1", "dict": "1", "hf": "1", "regularizer": "3"}  # the rest: "2"
+# readme_clip: clip_grad_norm_(model.parameters(), c) moves into the step graph (clip_route.py).
+TIERS = {"readme": "1", "readme_clip": "1", "dict": "1", "hf": "1", "regularizer": "3"}  # the rest: "2"
 
 
 # ------------------------------------------------------------------ models
@@ -103,7 +104,7 @@ class HFOut(Body):
         return hf_output_class()(loss=loss, logits=logits)
 
 
-MODELS = {"readme": WithLoss, "dict": DictOut, "tuple": TupleOut, "hf": HFOut, "dropout": DropoutLogits}
+MODELS = {"readme": WithLoss, "readme_clip": WithLoss, "dict": DictOut, "tuple": TupleOut, "hf": HFOut, "dropout": DropoutLogits}
 
 
 # ------------------------------------------------------------------- loops
@@ -135,7 +136,7 @@ def train(model, opt, loop, steps, rank, dev, *, scheduler=None, scaler=None, au
             log.append(float(loss))
         else:
             with amp:
-                if loop == "readme":
+                if loop in ("readme", "readme_clip"):
                     loss = model(x, y)
                 elif loop in ("outside", "outside_acc", "clip", "scaler", "dropout"):
                     out = model(x)
@@ -165,12 +166,15 @@ def train(model, opt, loop, steps, rank, dev, *, scheduler=None, scaler=None, au
                 scaler.update()
             else:
                 loss.backward()
-                if loop == "clip":
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                norm = None
+                if loop in ("clip", "readme_clip"):
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
                 opt.step()
             if loop in ("outside_acc", "dict", "hf"):
                 logits = out if loop == "outside_acc" else (out["logits"] if loop == "dict" else out.logits)
                 log.append((float(loss), float((logits.argmax(-1) == y).float().mean())))
+            elif loop == "readme_clip":  # the norm clip_grad_norm_ returned, as scripts log it
+                log.append((float(loss), float(norm)))
             else:
                 log.append(float(loss))
         if loop == "outside_acc" and step % 10 == 5:
@@ -267,6 +271,9 @@ def test_every_loop_trains_like_ddp_on_cpu(ranks, loop):
         assert r["tiers"] and all(t == "3" for t in r["tiers"]), r["report"]  # no CUDA graphs on a CPU
         if loop == "regularizer":
             assert "reaches model parameters directly" in r["loop_verdict"], r["loop_verdict"]
+        if loop == "readme_clip":  # the clip is part of a loop fit for tier 1, its norm returned
+            assert r["loop_verdict"].startswith("conforms"), r["loop_verdict"]
+            assert [x[1] for x in r["log"]] == pytest.approx([x[1] for x in r["ref_log"]], rel=1e-4)
 
 
 def test_graphs_false_never_raises_a_loop_error(ranks):
@@ -275,6 +282,30 @@ def test_graphs_false_never_raises_a_loop_error(ranks):
                    kwargs={"loop": "accum4", "graphs": 0, "steps": 8}):
         assert r["max_param_diff"] < 1e-5, r["report"]
         assert "graphs are disabled" in r["report"] or "CPU-only" in r["report"] or "no CUDA device" in r["report"]
+
+
+def clip_pair(steps=30):
+    """Rank body: the loop with clip_grad_norm_ and the loss from the model,
+    graphed and with graphs=False, each against DDP."""
+    kw = {"loop": "readme_clip", "optimizer": "adamw", "steps": steps}
+    return {"graphed": loop_vs_ddp(**kw, graphs=1), "eager": loop_vs_ddp(**kw, graphs=0)}
+
+
+@pytest.mark.gpu
+def test_the_users_clip_moves_into_the_step_graph(ranks):
+    """clip_grad_norm_(model.parameters(), c) between backward and step: tier 1,
+    the clip inside the step graph, bitwise equal to graphs=False -- the
+    parameters and every norm the call returned."""
+    (r,) = ranks("test_loops:clip_pair", world_size=1, timeout=300)
+    g, e = r["graphed"], r["eager"]
+    assert g["tiers"][:1] == ["1"] and g["replays"] > 20, g["report"]
+    assert "your clip_grad_norm_(max_norm=0.5) inside the step graph" in g["loop_verdict"], g["loop_verdict"]
+    assert g["params"] == e["params"], g["report"]
+    assert g["log"] == e["log"], (g["log"][:4], e["log"][:4])
+    norms = [x[1] for x in g["log"]]
+    assert max(norms) > 0.5, norms  # the clip changed gradients
+    assert norms == pytest.approx([x[1] for x in g["ref_log"]], rel=1e-4)
+    assert g["max_param_diff"] < 1e-4, g["max_param_diff"]
 
 
 def all_loops(amp="fp32", steps=30):

@@ -281,7 +281,8 @@ def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0,
     inner (bf16 autocast inside the module's forward, as Accelerate patches
     it in), wd (weight_decay
     changed every 5 steps: invalidations until eager). clip: clip_grad_norm_
-    between backward and step (tier 2 on a GPU). backend: "auto" (pgd.init())
+    between backward and step, over all parameters (1: inside the step graph,
+    tier 1) or all but one (2: tier 2 on a GPU). backend: "auto" (pgd.init())
     or a stock backend name given to init_process_group directly. select: wrap(select=...)."""
     said: list[str] = []
 
@@ -321,8 +322,9 @@ def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0,
         if variant in ("imul1", "imul2"):
             loss *= 1 if variant == "imul1" else 2  # transformers' compute_loss scales in place
         loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if clip:  # 2: part of the parameters, which cannot move into the step graph
+            params = list(model.parameters())
+            torch.nn.utils.clip_grad_norm_(params if clip == 1 else params[1:], 1.0)
         opt.step()
     r = pgd.report()
     d = pgd.report(as_dict=True)
@@ -377,6 +379,19 @@ def test_loss_over_one_conforms_and_inner_autocast_is_reported(ranks, variant):
             assert "precision: fp32" in flat(text), text
 
 
+@pytest.mark.parametrize("clip", [1, 2])
+def test_a_clip_over_all_parameters_conforms(ranks, clip):
+    """clip_grad_norm_ over all the model's parameters keeps the loop fit for
+    tier 1; over part of them it does not, and the check says why."""
+    for r in ranks("test_report:loop_report", timeout=120, kwargs={"clip": clip}):
+        verbose = r["verbose"]
+        if clip == 1:
+            assert verbose.count("loop check: conforms") == 1, verbose
+        else:
+            assert "loop check: conforms" not in verbose, verbose
+            assert "clips part of the model's trainable parameters" in flat(verbose), verbose
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["div1", "imul1"])
 def test_loss_over_one_replays_tier1_on_gpu(ranks, variant):
@@ -387,15 +402,26 @@ def test_loss_over_one_replays_tier1_on_gpu(ranks, variant):
 @pytest.mark.gpu
 def test_report_of_a_tier2_loop_on_gpu(ranks):
     for r in ranks("test_report:loop_report", world_size=1, timeout=300,
-                   kwargs={"variant": "readme", "clip": 1, "steps": 30, "autocast": "bfloat16"}):
+                   kwargs={"variant": "readme", "clip": 2, "steps": 30, "autocast": "bfloat16"}):
         text = r["text"]
         assert len(text.splitlines()) <= MAX_LINES, text
         assert r["tiers"] == ["2"] and r["summary"]["tiers"] == ["2"], r["verbose"]
         assert "replayed (tier 2)" in text.splitlines()[0], text
         assert "not tier 1 because: clip_grad_norm_()" in flat(text), text
+        assert "clips part of the model's trainable parameters" in flat(r["verbose"]), r["verbose"]
         assert "precision: user autocast bf16" in flat(text), text
         assert "stock backend" not in flat(text) and not r["stock_warnings"], text  # pgd.init(): graph-safe
         assert r["json_equal"]
+
+
+@pytest.mark.gpu
+def test_report_of_a_clipping_loop_on_gpu(ranks):
+    """clip_grad_norm_(model.parameters(), 1.0) in the loop: tier 1, and the
+    report says where the clipping went."""
+    r, = ranks("test_report:loop_report", world_size=1, timeout=300,
+               kwargs={"variant": "readme", "clip": 1, "steps": 20})
+    assert r["tiers"] == ["1"] and r["phases"] == ["replay"], r["verbose"]
+    assert "your clip_grad_norm_(max_norm=1) inside the step graph" in flat(r["verbose"]), r["verbose"]
 
 
 @pytest.mark.gpu

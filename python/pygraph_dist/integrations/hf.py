@@ -113,7 +113,6 @@ class PGDAccelerator(Accelerator):
         """The state PGDAccelerator adds (also called after PGDTrainer's class change)."""
         self.pgd_wrap_options = dict(wrap_options)
         self._pgd_preparing = False
-        self._pgd_clip_hint = False  # the tier-2 clipping hint, logged once
 
     # ------------------------------------------------------------ prepare
     def prepare(self, *args, device_placement=None):
@@ -190,13 +189,8 @@ class PGDAccelerator(Accelerator):
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         model = self._pgd_model_of(parameters)
         configured = model.engine.step.max_grad_norm if model is not None else None
-        if configured is None:
-            if model is not None and not self._pgd_clip_hint and self.is_main_process:
-                self._pgd_clip_hint = True
-                logger.info("accelerate: clip_grad_norm_ runs between the graphs (tier 2); pass "
-                            "max_grad_norm=%s to PGDAccelerator to clip inside the optimizer step's graph",
-                            max_norm)
-            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        if configured is None:  # Accelerate's, which calls torch's: moved into the step where it can be
+            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)  # (clip_route.py)
         # The step clips every trainable parameter of the model (frozen ones have no gradient):
         # the call must ask for the same, or clipping would happen twice or over another set.
         passed = {id(p) for p in parameters}

@@ -1,0 +1,193 @@
+"""The user's own ``torch.nn.utils.clip_grad_norm_`` inside the step graph.
+
+The loop most scripts write clips between ``backward()`` and ``step()``::
+
+    loss = model(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+A whole-iteration graph (tier 1) has stepped at the model call already, so a
+clip written there would come too late; before this module such a loop was
+graphed per micro-batch (tier 2), its clipping eager between the graphs --
+0.6 ms of host time at 18 parameter tensors, 5.5 ms at 500 (issue 26). Now:
+
+* :func:`install` (at the first ``wrap()``) puts :func:`clip_grad_norm_` in
+  place of ``torch.nn.utils.clip_grad_norm_`` (and ``torch.nn.utils.clip_grad``'s).
+  For parameters that are not a wrapped model's it calls torch's, unchanged.
+* During the probe (the loop as written), a clip over *all* of a wrapped
+  model's trainable parameters, norm 2, with nothing else unusual, runs as
+  written and is recorded instead of counting as a change of gradients. If
+  the rest of the loop conforms, the ranks agree on it with the verdict and
+  the step clips inside the graph: torch's own ``clip_grad_norm_``, over the
+  parameters in the order the call passed them, with its ``max_norm`` and
+  ``foreach`` -- the same kernels, so graphed training stays bitwise equal to
+  ``graphs=False``.
+* In an iteration the engine ran (tier 1), the call returns what torch's
+  would: the total norm before clipping, computed by the step that already
+  ran. A different ``max_norm``, parameter list or norm then is a changed
+  loop (:class:`~pygraph_dist.conformance.LoopConformanceError`, with the fix).
+* Where the loop runs as written (tier 2, eager, evaluation), torch's runs.
+
+``from torch.nn.utils import clip_grad_norm_`` executed before ``wrap()`` binds
+torch's function; such a call is seen by the monitor as before (tier 2, with a
+reason that names it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+
+import torch
+
+from . import lifetime
+
+# torch's functions, as they were before install(); the step calls these.
+ORIGINAL = torch.nn.utils.clip_grad_norm_
+_MODULES = (torch.nn.utils, torch.nn.utils.clip_grad)
+_installed = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipPlan:
+    """A clip the step applies: torch's ``clip_grad_norm_(params, max_norm, 2.0,
+    foreach=foreach)``. ``params`` None: the reducer's (wrap(max_grad_norm=...))."""
+
+    max_norm: float
+    params: tuple | None = None
+    foreach: bool | None = None
+
+    def same_call(self, params: list, max_norm, norm_type, error_if_nonfinite, foreach) -> bool:
+        return (float(max_norm) == self.max_norm and float(norm_type) == 2.0 and not error_if_nonfinite
+                and foreach == self.foreach and self.params is not None
+                and len(params) == len(self.params) and all(map(_is, params, self.params)))
+
+    def same(self, other: "ClipPlan") -> bool:
+        return other.same_call(list(self.params or ()), self.max_norm, 2.0, False, self.foreach)
+
+    def digest(self) -> int:
+        """Equal on ranks that clip alike (the agreement's digest)."""
+        return zlib.crc32(repr((self.max_norm, self.foreach, len(self.params or ()))).encode())
+
+    def describe(self) -> str:
+        return f"clip_grad_norm_(max_norm={self.max_norm:g}) inside the step graph"
+
+
+def _is(a, b) -> bool:
+    return a is b
+
+
+def install() -> None:
+    """Put :func:`clip_grad_norm_` in place of torch's (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    for mod in _MODULES:
+        if getattr(mod, "clip_grad_norm_", None) is ORIGINAL:
+            mod.clip_grad_norm_ = clip_grad_norm_
+    _installed = True
+
+
+def uninstall() -> None:
+    """Give torch its function back (tests)."""
+    global _installed
+    for mod in _MODULES:
+        if getattr(mod, "clip_grad_norm_", None) is clip_grad_norm_:
+            mod.clip_grad_norm_ = ORIGINAL
+    _installed = False
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """torch's ``clip_grad_norm_``; for a wrapped model's parameters, routed
+    by its engine (module docstring)."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    engine = _engine_of(params)
+    if engine is None:
+        return ORIGINAL(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+    return engine.user_clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def _engine_of(params: list):
+    if not params:
+        return None
+    for engine in lifetime.live_engines():
+        ids = getattr(engine, "clip_param_ids", None)
+        if ids is not None and not engine.closed and any(id(p) in ids for p in params):
+            return engine
+    return None
+
+
+def routable(engine, params: list, max_norm, norm_type, error_if_nonfinite, foreach) -> str:
+    """Why this call cannot move into the step graph ("" when it can)."""
+    if engine.step.max_grad_norm is not None:
+        return "wrap(max_grad_norm=...) clips inside the step already"
+    if engine.grad_scaler is not None:
+        return "amp='fp16' scales the gradients until the step unscales them"
+    try:
+        norm = float(norm_type)
+        limit = float(max_norm)
+    except (TypeError, ValueError):
+        return "max_norm or norm_type is not a number"
+    if norm != 2.0:
+        return f"norm_type={norm_type} (the step clips with norm 2)"
+    if not (math.isfinite(limit) and limit > 0):
+        return f"max_norm={max_norm}"
+    if error_if_nonfinite:
+        return "error_if_nonfinite=True reads the norm on the host"
+    if engine.step.sparse_ids:
+        return "the model has sparse gradients (stepped eagerly, outside the graph)"
+    ids = engine.clip_param_ids
+    if not all(id(p) in ids for p in params):
+        return "the parameters include some of another model"
+    passed = {id(p) for p in params}
+    if len(passed) != len(params):
+        return "a parameter is passed twice"
+    if not all(id(p) in passed for p in engine.reducer.params if p.requires_grad):
+        return "the call clips part of the model's trainable parameters"
+    return ""
+
+
+def route(engine, params: list, max_norm, norm_type, error_if_nonfinite, foreach):
+    """The call for a wrapped model's parameters (``Engine.user_clip``)."""
+    loop = engine.loop
+    plan = engine.step.routed_clip
+    if loop.owned:  # the engine ran this iteration: the step (and its clip) already happened
+        loop.clip_calls += 1
+        if plan is not None and loop.clip_calls == 1 and plan.same_call(
+                params, max_norm, norm_type, error_if_nonfinite, foreach):
+            return engine.grad_norm_after_step()
+        what = (f"clip_grad_norm_(max_norm={max_norm}) was called twice in one step" if loop.clip_calls > 1
+                else f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) in a loop whose graph "
+                     "was captured without it" if plan is None
+                else f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) differs from the call "
+                     f"the graph clips like ({plan.describe()}, the same parameters, norm 2)")
+        loop.violation(what, "The graph clips as the probe iterations did. Keep the clipping call the "
+                             "same in every iteration, or wrap(..., graphs=False).")
+    if engine.probing() and loop.stage_after_backward():
+        why = routable(engine, params, max_norm, norm_type, error_if_nonfinite, foreach)
+        if not why:
+            loop.clip_seen(ClipPlan(float(max_norm), tuple(params), foreach))
+        else:
+            loop.violation(f"clip_grad_norm_() between loss.backward() and optimizer.step() cannot move "
+                           f"into the step graph: {why}",
+                           "Clip all of the model's parameters (model.parameters()) with norm 2 and a "
+                           "positive max_norm, or pass wrap(..., max_grad_norm=...) and drop the call, "
+                           "to have the whole iteration graphed. This loop is graphed per micro-batch "
+                           "(tier 2), the clipping between the graphs.",
+                           split_ok=True)
+        with loop.unwatched():  # judged here, not by its writes to the gradients
+            return ORIGINAL(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite,
+                            foreach=foreach)
+    return ORIGINAL(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+
+
+def probe_plan(loop) -> tuple[ClipPlan | None, str]:
+    """The clip the probe steps so far agree on, and "" -- or None and why not."""
+    plans = loop.clip_probe
+    first = plans[0] if plans else None
+    for p in plans[1:]:
+        if (p is None) != (first is None) or (p is not None and not p.same(first)):
+            return None, "clip_grad_norm_() was called differently (or not at all) in some probe iterations"
+    return first, ""
