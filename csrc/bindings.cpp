@@ -8,6 +8,7 @@
 #include "capture_fingerprint.h"
 #include "capture_policy.h"
 #include "graph_safe_backend.h"
+#include "hand_out.h"
 #include "iteration_stats.h"
 #include "input_guard.h"
 #include "param_watch.h"
@@ -365,6 +366,7 @@ PYBIND11_MODULE(_C, m) {
   bind_backend(m);
   bind_watchdog(m);
   bind_param_watch(m);
+  bind_hand_out(m);
   bind_input_guard(m);
   install_terminate_report();
 }

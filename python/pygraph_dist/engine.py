@@ -75,6 +75,17 @@ _BAKED = re.compile(r"param group (\d+): '([^']+)'")  # param_groups.hyperparams
 _flatten = timed("signature")(pytree.tree_flatten)  # spans.py: identity unless PYGRAPH_DIST_HOST_SPANS=1
 
 
+def _hand_out_loss_py(loss: torch.Tensor) -> torch.Tensor:
+    """csrc/hand_out.cpp's, for an extension built before it: a clone of a leaf
+    copy (the leaf a copy too, so that a loss the user keeps does not hold the
+    graph's pool)."""
+    with torch.enable_grad():
+        return loss.detach().clone().requires_grad_(True).clone()
+
+
+_hand_out_loss = getattr(C, "hand_out_loss", _hand_out_loss_py)
+
+
 class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
     """One wrapped model and its optimizer: ``GraphedModule.__call__`` is
     :meth:`run`, the optimizer's ``step()`` and ``zero_grad()`` are
@@ -333,12 +344,10 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         graph's own are overwritten by the next replay. The loss requires grad so
         that the user's ``loss.backward()`` is valid; the monitor makes it a no-op."""
         loss, out = result
-        # Not a leaf (a clone of a leaf copy): the loop may scale it in place
-        # (transformers' compute_loss: loss *= 1), which a leaf that requires grad
-        # refuses. The leaf is a copy too: its autograd edge keeps it alive as long
-        # as the user keeps the loss, and the graph's pool must not be held by that.
-        with torch.enable_grad():
-            fresh = loss.detach().clone().requires_grad_(True).clone()
+        # Not a leaf: the loop may scale it in place (transformers' compute_loss:
+        # loss *= 1), which a leaf that requires grad refuses. A copy, with a
+        # grad_fn that has nothing behind it (csrc/hand_out.cpp): one kernel.
+        fresh = _hand_out_loss(loss)
         self.loop.handed_out(fresh)
         if out is loss:
             return fresh

@@ -378,13 +378,18 @@ class IterationStep:
 
 def find_loss(out) -> torch.Tensor | None:
     """The scalar loss in a model call's outputs: the output itself, ``out["loss"]``
-    or ``out.loss`` (Hugging Face outputs) — or None."""
+    or ``out.loss`` (Hugging Face outputs), the one scalar of a tuple or list
+    (nanoGPT's ``logits, loss = model(x, y)``) — or None. Which tensor the loop
+    calls ``backward()`` on decides the tier; this only names the candidate."""
     loss = out
     if not isinstance(loss, torch.Tensor):
         if isinstance(out, dict) and "loss" in out:
             loss = out["loss"]
         elif getattr(out, "loss", None) is not None:
             loss = out.loss
+        elif isinstance(out, (tuple, list)):
+            scalars = [t for t in out if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()]
+            loss = scalars[0] if len(scalars) == 1 else None
     if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
         return loss
     return None

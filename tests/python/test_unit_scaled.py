@@ -48,3 +48,36 @@ def test_scaled_in_place_as_the_trainer_does():
         assert loss._version != version  # the loop state tells the in-place change by this
         assert unit_scaled(loss, loss, edge) is expect
         assert unit_scaled(loss / 1, loss, edge) is expect
+
+
+def test_the_handed_out_loss_is_a_fresh_interior_tensor():
+    """The loss a tier-1 replay hands out (csrc/hand_out.cpp, and the Python
+    spelling for an older extension): a copy of the graph's static loss that
+    requires grad, is not a leaf (transformers' ``loss *= 1`` works), keeps the
+    in-place check working, and has nothing behind its grad_fn."""
+    import pytest
+
+    from pygraph_dist import engine
+    from pygraph_dist._ext import C
+
+    makers = [engine._hand_out_loss_py]
+    if hasattr(C, "hand_out_loss"):
+        makers.append(C.hand_out_loss)
+    else:
+        pytest.fail("pygraph_dist._C has no hand_out_loss: the extension is older than csrc/hand_out.cpp")
+    for make in makers:
+        static = torch.tensor(2.5)
+        with torch.no_grad():  # the engine hands out under whatever grad mode the call had
+            fresh = make(static)
+        assert fresh.requires_grad and not fresh.is_leaf and fresh.grad_fn is not None
+        assert fresh.data_ptr() != static.data_ptr() and fresh.item() == 2.5
+        static.fill_(7.0)  # the next replay overwrites the static loss
+        assert fresh.item() == 2.5
+        edge = loss_edge(fresh)
+        scaled = fresh
+        scaled *= 1  # in place on an interior tensor: allowed
+        assert unit_scaled(scaled, fresh, edge)
+        other = make(torch.tensor(1.0))
+        other *= 2
+        assert not unit_scaled(other, other, loss_edge(make(torch.tensor(1.0))))
+        (fresh / 1).backward()  # reaches nothing, fails nothing
