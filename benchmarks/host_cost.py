@@ -22,6 +22,15 @@ Modes (the user's loop; each row is (mode, layers)):
                 (tier 1: the clip moves into the step graph)
   pgd_accum4    pgd_tier2 over 4 micro-batches of 2 rows, the first 3 inside
                 model.no_sync(), loss / 4
+  hand_tier2    tier 2's floor, written by hand: a forward graph, a backward
+                graph and a step graph (AdamW fused, capturable) sharing one
+                pool, the forward's output handed out (a clone) through a
+                minimal autograd.Function whose backward copies the gradient in
+                and replays the backward graph; the pgd_tier2 loop around it
+                (the user's cross-entropy and loss.backward() eager), the step
+                graph at optimizer.step(). What any tier 2 pays besides
+                pygraph_dist's own bookkeeping: the user's loss, autograd's
+                backward call, three launches
   callables     torch's own tier-2 recipe, by hand: the bare net through
                 torch.cuda.make_graphed_callables (a forward and a backward graph
                 behind an autograd.Function), the pgd_tier2 loop, AdamW(fused)
@@ -80,11 +89,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 WIDTH, CLASSES, BATCH, ACCUM, CLIP_NORM, LR, BATCHES = 256, 10, 8, 4, 1.0, 1e-4, 8
-ALL_MODES = ["hand", "pgd_tier1", "pgd_clip_in", "callables", "pgd_tier2", "pgd_clip", "pgd_accum4", "eager"]
-GPU_ONLY = {"hand", "callables"}
+ALL_MODES = ["hand", "pgd_tier1", "pgd_clip_in", "hand_tier2", "callables", "pgd_tier2", "pgd_clip", "pgd_accum4",
+             "eager"]
+GPU_ONLY = {"hand", "hand_tier2", "callables"}
 LABELS = {
     "hand": "hand-written whole-iteration graph",
     "pgd_tier1": "pygraph_dist, loss in the module",
+    "hand_tier2": "hand-written forward, backward and step graphs, loss outside",
     "callables": "torch.cuda.make_graphed_callables, loss outside, eager fused step",
     "pgd_tier2": "pygraph_dist, loss outside",
     "pgd_clip": "pygraph_dist, loss outside + clip_grad_norm_",
@@ -201,6 +212,8 @@ class Mode:
     def setup(self) -> None:
         if self.name == "hand":
             return self._setup_hand()
+        if self.name == "hand_tier2":
+            return self._setup_hand_tier2()
         net = self.net()
         self.n_params = len(list(net.parameters()))
         opt = self.adamw(net.parameters())
@@ -242,6 +255,57 @@ class Mode:
             opt.step()
         self.model, self.opt, self.graph, self.static = model, opt, graph, (sx, sy, loss)
 
+    def _setup_hand_tier2(self) -> None:
+        import torch
+
+        net = self.net()
+        self.n_params = len(list(net.parameters()))
+        opt = self.adamw(net.parameters(), capturable=True)
+        sx = self.batches[0][0].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                loop_outside(net, opt, sx, self.batches[0][1])
+        torch.cuda.current_stream().wait_stream(side)
+        opt.zero_grad(set_to_none=True)  # backward's gradients are allocated in the pool, then static
+        fwd, bwd, step = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(fwd):
+            out = net(sx)
+        grad_out = torch.zeros_like(out)
+        with torch.cuda.graph(bwd, pool=fwd.pool()):
+            out.backward(grad_out)
+        with torch.cuda.graph(step, pool=fwd.pool()):
+            opt.step()
+
+        class Forward(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, anchor):  # noqa: ARG004 - anchor: an input requiring grad
+                return out.detach().clone()
+
+            @staticmethod
+            def backward(ctx, g):  # noqa: ARG004
+                grad_out.copy_(g)
+                bwd.replay()
+                return None
+
+        anchor = torch.zeros((), device=self.dev, requires_grad=True)
+
+        def model(x):
+            sx.copy_(x, non_blocking=True)
+            fwd.replay()
+            return Forward.apply(anchor)
+
+        class Step:
+            def zero_grad(self, set_to_none=True):  # noqa: ARG002 - the graphs own the gradients
+                pass
+
+            def step(self):
+                step.replay()
+
+        self.model, self.opt, self.fn = model, Step(), loop_outside
+        self.graphs = (fwd, bwd, step)
+
     def step(self, x, y):
         if self.name == "hand":
             sx, sy, loss = self.static
@@ -262,9 +326,9 @@ class Mode:
                      "loop": engine.describe().loop}
 
     def teardown(self) -> None:
-        graph = getattr(self, "graph", None)
-        if graph is not None:
-            graph.reset()
+        for graph in (getattr(self, "graph", None), *getattr(self, "graphs", ())):
+            if graph is not None:
+                graph.reset()
         engine = getattr(self.model, "engine", None)
         if engine is not None:
             engine.teardown()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import zlib
 
 import torch
@@ -62,7 +63,7 @@ class ClipPlan:
     def same_call(self, params: list, max_norm, norm_type, error_if_nonfinite, foreach) -> bool:
         return (float(max_norm) == self.max_norm and float(norm_type) == 2.0 and not error_if_nonfinite
                 and foreach == self.foreach and self.params is not None
-                and len(params) == len(self.params) and all(map(_is, params, self.params)))
+                and len(params) == len(self.params) and all(map(operator.is_, params, self.params)))
 
     def same(self, other: "ClipPlan") -> bool:
         return other.same_call(list(self.params or ()), self.max_norm, 2.0, False, self.foreach)
@@ -73,10 +74,6 @@ class ClipPlan:
 
     def describe(self) -> str:
         return f"clip_grad_norm_(max_norm={self.max_norm:g}) inside the step graph"
-
-
-def _is(a, b) -> bool:
-    return a is b
 
 
 def install() -> None:
@@ -157,7 +154,8 @@ def route(engine, params: list, max_norm, norm_type, error_if_nonfinite, foreach
         loop.clip_calls += 1
         if plan is not None and loop.clip_calls == 1 and plan.same_call(
                 params, max_norm, norm_type, error_if_nonfinite, foreach):
-            return engine.grad_norm_after_step()
+            with torch._C.DisableTorchFunction():  # the norm's copy is ours, not the loop's: unwatched
+                return engine.grad_norm_after_step()
         what = (f"clip_grad_norm_(max_norm={max_norm}) was called twice in one step" if loop.clip_calls > 1
                 else f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) in a loop whose graph "
                      "was captured without it" if plan is None
