@@ -107,11 +107,19 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
 
 
 def _engine_of(params: list):
+    """The live engine whose model any of ``params`` belongs to (the first
+    parameter's, at once, for the usual model.parameters())."""
     if not params:
         return None
-    for engine in lifetime.live_engines():
-        ids = getattr(engine, "clip_param_ids", None)
-        if ids is not None and not engine.closed and any(id(p) in ids for p in params):
+    engines = [e for e in lifetime.live_engines()
+               if not e.closed and getattr(e, "clip_param_ids", None) is not None]
+    first = id(params[0])
+    for engine in engines:
+        if first in engine.clip_param_ids:
+            return engine
+    for engine in engines:
+        ids = engine.clip_param_ids
+        if any(id(p) in ids for p in params):
             return engine
     return None
 
