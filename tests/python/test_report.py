@@ -282,7 +282,9 @@ def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0,
     it in), wd (weight_decay
     changed every 5 steps: invalidations until eager). clip: clip_grad_norm_
     between backward and step, over all parameters (1: inside the step graph,
-    tier 1) or all but one (2: tier 2 on a GPU). backend: "auto" (pgd.init())
+    tier 1), all but one (2: tier 2 on a GPU), twice (3), with
+    error_if_nonfinite=True (4), in the first step only (5), over an unwrapped
+    model's parameters (6: torch's own, as if pygraph_dist were not there). backend: "auto" (pgd.init())
     or a stock backend name given to init_process_group directly. select: wrap(select=...)."""
     said: list[str] = []
 
@@ -302,6 +304,7 @@ def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0,
     base = (InnerAutocast(MLP(), dev.type) if variant == "inner" else MLP()).to(dev)
     opt = torch.optim.AdamW(base.parameters(), lr=1e-3, weight_decay=0.01)
     model, opt = pgd.wrap(base, opt, select=bool(select))
+    other = MLP().to(dev)  # never wrapped (clip=6)
     ac = (torch.autocast(dev.type, dtype=getattr(torch, autocast)) if autocast
           else contextlib.nullcontext())
     for step in range(steps):
@@ -322,9 +325,18 @@ def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0,
         if variant in ("imul1", "imul2"):
             loss *= 1 if variant == "imul1" else 2  # transformers' compute_loss scales in place
         loss.backward()
-        if clip:  # 2: part of the parameters, which cannot move into the step graph
+        if clip:  # see the docstring: which clip_grad_norm_ calls can move into the step graph
             params = list(model.parameters())
-            torch.nn.utils.clip_grad_norm_(params if clip == 1 else params[1:], 1.0)
+            if clip in (1, 3) or (clip == 5 and step == 0):
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+            elif clip == 2:
+                torch.nn.utils.clip_grad_norm_(params[1:], 1.0)
+            elif clip == 4:
+                torch.nn.utils.clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
+            elif clip == 6:
+                torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)
+            if clip == 3:
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
     r = pgd.report()
     d = pgd.report(as_dict=True)
@@ -379,17 +391,26 @@ def test_loss_over_one_conforms_and_inner_autocast_is_reported(ranks, variant):
             assert "precision: fp32" in flat(text), text
 
 
-@pytest.mark.parametrize("clip", [1, 2])
+CLIP_REASONS = {
+    2: "cannot move into the step graph: the call clips part of the model's trainable parameters",
+    3: "clip_grad_norm_() was called twice in one step",
+    4: "cannot move into the step graph: error_if_nonfinite=True reads the norm on the host",
+    5: "clip_grad_norm_() was called differently (or not at all) in some probe iterations",
+}
+
+
+@pytest.mark.parametrize("clip", [1, 2, 3, 4, 5, 6])
 def test_a_clip_over_all_parameters_conforms(ranks, clip):
-    """clip_grad_norm_ over all the model's parameters keeps the loop fit for
-    tier 1; over part of them it does not, and the check says why."""
+    """clip_grad_norm_ over all the model's parameters, once per step, keeps the
+    loop fit for tier 1 (so does a clip of a model pygraph_dist does not wrap);
+    any other clip does not, and the check says why."""
     for r in ranks("test_report:loop_report", timeout=120, kwargs={"clip": clip}):
         verbose = r["verbose"]
-        if clip == 1:
+        if clip in (1, 6):
             assert verbose.count("loop check: conforms") == 1, verbose
         else:
             assert "loop check: conforms" not in verbose, verbose
-            assert "clips part of the model's trainable parameters" in flat(verbose), verbose
+            assert CLIP_REASONS[clip] in flat(verbose), verbose
 
 
 @pytest.mark.gpu
