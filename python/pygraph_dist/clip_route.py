@@ -37,6 +37,7 @@ reason that names it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 import zlib
@@ -96,9 +97,10 @@ def uninstall() -> None:
     _installed = False
 
 
+@functools.wraps(ORIGINAL)
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-    """torch's ``clip_grad_norm_``; for a wrapped model's parameters, routed
-    by its engine (module docstring)."""
+    # torch's clip_grad_norm_ (its docstring, through functools.wraps); for a
+    # wrapped model's parameters, routed by its engine (module docstring).
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     engine = _engine_of(params)
     if engine is None:
@@ -130,11 +132,12 @@ def routable(engine, params: list, max_norm, norm_type, error_if_nonfinite, fore
         return "wrap(max_grad_norm=...) clips inside the step already"
     if engine.grad_scaler is not None:
         return "amp='fp16' scales the gradients until the step unscales them"
-    try:
-        norm = float(norm_type)
-        limit = float(max_norm)
-    except (TypeError, ValueError):
-        return "max_norm or norm_type is not a number"
+    numbers = (int, float)
+    if not (isinstance(max_norm, numbers) and isinstance(norm_type, numbers)) or isinstance(max_norm, bool):
+        # A tensor max_norm divides as a tensor (other kernels than a float's)
+        # and would be read on the host every step to check it.
+        return "max_norm or norm_type is not a Python number"
+    norm, limit = float(norm_type), float(max_norm)
     if norm != 2.0:
         return f"norm_type={norm_type} (the step clips with norm 2)"
     if not (math.isfinite(limit) and limit > 0):
@@ -158,15 +161,20 @@ def route(engine, params: list, max_norm, norm_type, error_if_nonfinite, foreach
     """The call for a wrapped model's parameters (``Engine.user_clip``)."""
     loop = engine.loop
     plan = engine.step.routed_clip
-    if loop.owned:  # the engine ran this iteration: the step (and its clip) already happened
+    # The engine ran this iteration: its step (and the clip in it) already
+    # happened. After optimizer.step() (a norm logged after the step, say) the
+    # call is the loop's own again, as in eager training.
+    if loop.owned and loop.in_step():
         loop.clip_calls += 1
-        if plan is not None and loop.clip_calls == 1 and plan.same_call(
+        after_backward = loop.stage_after_backward()
+        if plan is not None and loop.clip_calls == 1 and after_backward and plan.same_call(
                 params, max_norm, norm_type, error_if_nonfinite, foreach):
             with torch._C.DisableTorchFunction():  # the norm's copy is ours, not the loop's: unwatched
                 return engine.grad_norm_after_step()
         what = (f"clip_grad_norm_(max_norm={max_norm}) was called twice in one step" if loop.clip_calls > 1
                 else f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) in a loop whose graph "
                      "was captured without it" if plan is None
+                else f"clip_grad_norm_(max_norm={max_norm}) before loss.backward()" if not after_backward
                 else f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) differs from the call "
                      f"the graph clips like ({plan.describe()}, the same parameters, norm 2)")
         loop.violation(what, "The graph clips as the probe iterations did. Keep the clipping call the "

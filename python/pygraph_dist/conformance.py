@@ -284,6 +284,10 @@ class LoopState:
     def stage_after_backward(self) -> bool:
         return self.stage is Stage.BACKWARD
 
+    def in_step(self) -> bool:
+        """Between a model call and its optimizer.step()."""
+        return self.stage is not Stage.IDLE
+
     def clip_seen(self, plan) -> None:
         """Probe: a clip_grad_norm_ the step could apply (clip_route.py)."""
         if self.clip_this_step is not None:

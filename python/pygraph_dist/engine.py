@@ -57,7 +57,8 @@ from .arguments import VaryingScalars, leaf_name
 from .capture import SELECT_REPLAYS
 from .compiled import TIMER as COMPILE_TIMER
 from .config import WrapConfig
-from .conformance import LoopConformanceError, Mode, Stage  # noqa: F401 - re-exported
+from .conformance import LoopConformanceError, Mode, Stage  # noqa: F401 - Mode, Stage re-exported
+from .monitor import user_location
 from .engine_state import TORN_DOWN, EngineState
 from .fast_lane import build_guard
 from .graph_cache import GraphEntry
@@ -65,7 +66,7 @@ from .param_groups import adopt_assigned_lrs
 from .probe import ProbeCalls
 from .spans import timed
 from .split_calls import Tier2Calls
-from .step import map_outputs
+from .outputs import map_outputs
 from .wiring import EngineWiring
 
 logger = logging.getLogger("pygraph_dist")
@@ -366,8 +367,15 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         self.accum.step()  # pending local sums reduced first; K learned at the first step
         probe = self._phase == Phase.PROBE and not self.loop.owned
         owned = self.loop.owned
+        clips = self.loop.clip_calls
         seen = self.loop.step_called(closure, probe=probe)
         if owned:
+            if self.step.routed_clip is not None and not clips:
+                raise LoopConformanceError(
+                    f"optimizer.step() without the clip_grad_norm_() of the probe iterations at "
+                    f"{user_location()}, after graphs were captured: the graph's step clipped "
+                    f"({self.step.routed_clip.describe()}). Call clip_grad_norm_ the same way every "
+                    "step, or wrap(..., graphs=False).")
             return None  # the graph (or the owned iteration) already stepped
         split, self._split_step = self._split_step, None
         if split is not None and self._split_step_now(split, closure):
@@ -398,9 +406,8 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         return clip_route.route(self, params, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def probing(self) -> bool:
-        """A probe iteration: the loop runs as written, watched."""
-        m = self.loop.monitor
-        return self._phase == Phase.PROBE and not self.loop.owned and m is not None and m.active
+        """A probe iteration: the loop runs as written (watched, unless wrap(monitor=False))."""
+        return self._phase == Phase.PROBE and not self.loop.owned
 
     def _fill_norm_requests(self) -> None:
         if self._norm_requests:

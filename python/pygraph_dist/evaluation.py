@@ -47,7 +47,7 @@ import torch.utils._pytree as pytree
 from ._ext import C
 from .capture_guard import describe_capture_error
 from .graph_cache import GraphEntry, discard
-from .step import map_outputs
+from .outputs import map_outputs
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine

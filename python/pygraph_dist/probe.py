@@ -27,7 +27,7 @@ from ._ext import C
 from .graph_cache import GraphEntry
 from .monitor import Violation, user_location, watch_host_syncs, watch_inner_autocast
 from .split import output_tensors
-from .step import map_outputs
+from .outputs import map_outputs
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -124,7 +124,7 @@ class ProbeCalls:
             return
         if entry.policy.phase != Phase.PROBE:  # last probe iteration done
             self.loop.probe_done = True
-            if clip is not None:  # the user's clip_grad_norm_ moves into the step (clip_route.py)
-                self.step.route_clip(clip)
+            if clip is not None and self.graphs_possible and not self.loop.split_reason:
+                self.step.route_clip(clip)  # the user's clip_grad_norm_ moves into the step (clip_route.py)
             if self.graphs_reason:
                 entry.policy.disable(self.graphs_reason)

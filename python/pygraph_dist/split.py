@@ -53,7 +53,7 @@ from .capture import copy_inputs, varying_paths
 from .capture_guard import _bucket_error, describe_capture_error
 from .graph_cache import GraphEntry, discard
 from .spans import timed
-from .step import map_outputs
+from .outputs import map_outputs
 
 logger = logging.getLogger("pygraph_dist")
 

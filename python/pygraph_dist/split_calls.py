@@ -24,7 +24,7 @@ import torch
 from ._ext import C
 from .conformance import Mode
 from .graph_cache import GraphEntry
-from .step import find_loss
+from .outputs import find_loss
 
 Phase = C.Phase
 
@@ -68,7 +68,7 @@ class Tier2Calls:
         out = self.split.forward(entry, leaves, sync=sync,
                                  label=f"[{entry.description}] at iteration {self.iteration}")
         self._split_step = entry
-        self.loop.handed_out(find_loss(out), watch=False)
+        self.loop.handed_out(find_loss(out, tuples=self.step.tuple_loss), watch=False)
         return out
 
     def _split_step_now(self, entry: GraphEntry, closure) -> bool:

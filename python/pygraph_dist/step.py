@@ -10,6 +10,7 @@ order and stay bitwise equal.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections import defaultdict
 from typing import Callable
@@ -21,6 +22,7 @@ from torch import nn
 
 from . import clip_route, collectives
 from .amp import AmpConfig, ScaleGrad
+from .outputs import find_loss, loss_error, map_outputs
 from .reducer import GradientReducer
 
 
@@ -81,6 +83,11 @@ class IterationStep:
         # The user's own clip_grad_norm_, moved into the steps the engine runs
         # (clip_route.py; agreed by the probe). Never in a step the loop runs.
         self.routed_clip = None
+        # Whether the one 0-dim tensor of a tuple output is the loss (find_loss):
+        # set at wiring, only where the probe's monitor checks which tensor the
+        # loop calls backward() on, and never with amp="fp16" (whose scaling of
+        # every output of a loss-less call must not change).
+        self.tuple_loss = False
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -103,10 +110,13 @@ class IterationStep:
         return torch.zeros((), dtype=params[0].dtype if params else torch.float32, device=device)
 
     def route_clip(self, plan) -> None:
-        """Clip as ``plan`` (a clip_route.ClipPlan) in every step the engine runs."""
+        """Clip as ``plan`` (a clip_route.ClipPlan) in every step the engine runs.
+        The norm buffer in the dtype torch's clip_grad_norm_ returns: the
+        gradients' dtypes promoted (mixed bf16/fp32 parameters give fp32)."""
         self.routed_clip = plan
-        if self.grad_norm is None:
-            self.grad_norm = self._norm_buffer(self.device)
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in plan.params))
+        if self.grad_norm is None or self.grad_norm.dtype != dtype:
+            self.grad_norm = torch.zeros((), dtype=dtype, device=self.device)
 
     # ---------------------------------------------------------- streams
     @contextlib.contextmanager
@@ -149,7 +159,7 @@ class IterationStep:
         self.broadcast_buffers()
         with self.amp.autocast():
             out = self.outputs(args, kwargs)
-        loss = find_loss(out)
+        loss = find_loss(out, tuples=self.tuple_loss)
         if loss is None and need_loss:
             raise TypeError(loss_error(out, "loss_fn" if self.loss_fn is not None else "the wrapped module"))
         return loss, out
@@ -256,7 +266,9 @@ class IterationStep:
                 self.grad_scaler.update()
                 return result
             if self.skip_nonfinite:
-                return self._step_if_finite(closure, norm)
+                # After the user's own clip (routed), judged on the clipped gradients,
+                # as the eager step after their call judges them.
+                return self._step_if_finite(closure, norm if routed is None else None)
             return self._optimizer_step(closure)
         finally:
             self.delegating = False
@@ -376,57 +388,6 @@ class IterationStep:
                 collectives.broadcast(t.data, group_src=0, group=self.group)
 
 
-def find_loss(out) -> torch.Tensor | None:
-    """The scalar loss in a model call's outputs: the output itself, ``out["loss"]``
-    or ``out.loss`` (Hugging Face outputs), the one scalar of a tuple or list
-    (nanoGPT's ``logits, loss = model(x, y)``) — or None. Which tensor the loop
-    calls ``backward()`` on decides the tier; this only names the candidate."""
-    loss = out
-    if not isinstance(loss, torch.Tensor):
-        if isinstance(out, dict) and "loss" in out:
-            loss = out["loss"]
-        elif getattr(out, "loss", None) is not None:
-            loss = out.loss
-        elif isinstance(out, (tuple, list)):
-            scalars = [t for t in out if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()]
-            loss = scalars[0] if len(scalars) == 1 else None
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
-        return loss
-    return None
-
-
-def loss_error(out, source: str) -> str:
-    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-    return (f"pygraph_dist.wrap(): {source} must produce the scalar loss, got {shape}. Either make "
-            "the module return the loss (a one-element tensor, or an object with a .loss such as "
-            "Hugging Face outputs), or pass loss_fn=...: the model is then called as "
-            "model(*inputs, target) and returns loss_fn(module(*inputs), target).")
-
-
-def map_outputs(out, fn):
-    """``out`` with every tensor replaced by ``fn(tensor)``, keeping its structure
-    (tensor, tuple, list, dict, Hugging Face ``ModelOutput``, or anything else as is)."""
-    if isinstance(out, torch.Tensor):
-        return fn(out)
-    if isinstance(out, dict):
-        items = {k: map_outputs(v, fn) for k, v in out.items()}
-        if type(out) is dict:
-            return items
-        try:
-            return type(out)(**items)  # ModelOutput dataclasses, OrderedDict subclasses
-        except TypeError:
-            copy = type(out)()
-            copy.update(items)
-            return copy
-    if isinstance(out, tuple) and hasattr(out, "_fields"):
-        return type(out)(*(map_outputs(v, fn) for v in out))
-    if isinstance(out, (tuple, list)):
-        return type(out)(map_outputs(v, fn) for v in out)
-    return out
-
-
-# torch's optimizers that update each parameter from its own gradient and
-# state only: stepping the parameters in two calls is the same step, bitwise.
 PER_PARAMETER_OPTIMIZERS = frozenset(
     getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop",
                                       "Adagrad", "Adadelta", "Rprop") if hasattr(torch.optim, n))

@@ -132,6 +132,7 @@ class EngineWiring:
         # is routed to this engine (clip_route.py).
         self.clip_param_ids = frozenset(id(p) for p in module.parameters())
         clip_route.install()
+        self.step.tuple_loss = config.monitor and grad_scaler is None
         timeout = config.replay_timeout
         if timeout is None:
             timeout = _group_timeout_s(self.group)

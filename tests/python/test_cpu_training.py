@@ -142,7 +142,6 @@ def loop_variant(variant="plain"):
 
 
 @pytest.mark.parametrize("variant,needle", [
-    ("clip", "max_grad_norm"),
     ("scaled", "backward() was called on a tensor other than the loss"),
     ("aux", "reaches model parameters directly"),  # a regulariser outside the model: tier 3 on GPUs too
     ("accumulate", "called again before optimizer.step()"),
@@ -162,6 +161,15 @@ def test_loop_the_graph_cannot_represent_is_detected(ranks, variant, needle):
 def test_plain_loop_conforms(ranks):
     for r in ranks("test_cpu_training:loop_variant", kwargs={"variant": "plain"}, timeout=120):
         assert r["loop"].startswith("conforms"), r["loop"]
+
+
+def test_a_loop_that_clips_all_parameters_conforms(ranks):
+    """clip_grad_norm_(model.parameters(), c) between backward and step moves
+    into the step graph on a GPU (clip_route.py), so the loop conforms; it
+    trains as DDP running the same loop."""
+    for r in ranks("test_cpu_training:loop_variant", kwargs={"variant": "clip"}, timeout=120):
+        assert r["loop"].startswith("conforms"), r["loop"]
+        assert r["max_param_diff"] < 1e-6, r
 
 
 def scheduler_before_wrap():
@@ -515,13 +523,14 @@ def test_step_overlap_only_where_the_split_is_the_same_step():
     def reason(**kw):
         opt = kw.pop("opt", None) or torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
         fake = SimpleNamespace(world_size=2, max_grad_norm=None, grad_scaler=None, skip_nonfinite=False,
-                               sparse_ids=set(), optimizer=opt, optimizer_class=type(opt))
+                               sparse_ids=set(), optimizer=opt, optimizer_class=type(opt), routed_clip=None)
         fake.__dict__.update(kw)
         return IterationStep.overlap_reason(fake)
 
     assert reason() is None
     assert reason(world_size=1) == "nothing to overlap"
     assert "clipping" in reason(max_grad_norm=1.0)
+    assert "clipping" in reason(routed_clip=object())  # the loop's own clip_grad_norm_, in the step
     assert "clipping" in reason(skip_nonfinite=True)
 
     class MyOpt(torch.optim.SGD):

@@ -284,7 +284,8 @@ def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0,
     between backward and step, over all parameters (1: inside the step graph,
     tier 1), all but one (2: tier 2 on a GPU), twice (3), with
     error_if_nonfinite=True (4), in the first step only (5), over an unwrapped
-    model's parameters (6: torch's own, as if pygraph_dist were not there). backend: "auto" (pgd.init())
+    model's parameters (6: torch's own, as if pygraph_dist were not there),
+    with a tensor max_norm (7), after optimizer.step() (8). backend: "auto" (pgd.init())
     or a stock backend name given to init_process_group directly. select: wrap(select=...)."""
     said: list[str] = []
 
@@ -335,9 +336,13 @@ def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0,
                 torch.nn.utils.clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
             elif clip == 6:
                 torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)
+            elif clip == 7:
+                torch.nn.utils.clip_grad_norm_(params, torch.tensor(1.0))
             if clip == 3:
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        if clip == 8:  # after the step (a norm logged): the loop's own call, as in eager training
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
     r = pgd.report()
     d = pgd.report(as_dict=True)
     m = r.models[-1]
@@ -396,17 +401,18 @@ CLIP_REASONS = {
     3: "clip_grad_norm_() was called twice in one step",
     4: "cannot move into the step graph: error_if_nonfinite=True reads the norm on the host",
     5: "clip_grad_norm_() was called differently (or not at all) in some probe iterations",
+    7: "cannot move into the step graph: max_norm or norm_type is not a Python number",
 }
 
 
-@pytest.mark.parametrize("clip", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("clip", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_a_clip_over_all_parameters_conforms(ranks, clip):
     """clip_grad_norm_ over all the model's parameters, once per step, keeps the
     loop fit for tier 1 (so does a clip of a model pygraph_dist does not wrap);
     any other clip does not, and the check says why."""
     for r in ranks("test_report:loop_report", timeout=120, kwargs={"clip": clip}):
         verbose = r["verbose"]
-        if clip in (1, 6):
+        if clip in (1, 6, 8):
             assert verbose.count("loop check: conforms") == 1, verbose
         else:
             assert "loop check: conforms" not in verbose, verbose

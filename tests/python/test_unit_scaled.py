@@ -81,3 +81,20 @@ def test_the_handed_out_loss_is_a_fresh_interior_tensor():
         other *= 2
         assert not unit_scaled(other, other, loss_edge(make(torch.tensor(1.0))))
         (fresh / 1).backward()  # reaches nothing, fails nothing
+
+
+def test_the_loss_of_a_tuple_output_is_its_one_0_dim_tensor():
+    """nanoGPT's ``logits, loss = model(x, y)``: the 0-dim tensor is the candidate
+    loss (where the engine allows the rule: a monitor, no amp="fp16"). A
+    one-element prediction of a batch of 1 is not 0-dim, so it never competes."""
+    from pygraph_dist.outputs import find_loss
+
+    logits, loss = torch.randn(4, 8), torch.tensor(1.5)
+    assert find_loss((logits, loss), tuples=True) is loss
+    assert find_loss([loss, logits], tuples=True) is loss
+    assert find_loss((logits, loss)) is None  # the rule off: as before
+    assert find_loss((torch.randn(1, 1), loss), tuples=True) is loss  # batch of 1
+    assert find_loss((torch.randn(1), loss), tuples=True) is loss
+    assert find_loss((loss, torch.tensor(0.5)), tuples=True) is None  # two candidates: none
+    assert find_loss((logits, torch.tensor(3)), tuples=True) is None  # not floating point
+    assert find_loss({"loss": loss, "aux": torch.tensor(0.1)}) is loss

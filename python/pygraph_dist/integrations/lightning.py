@@ -36,7 +36,10 @@ place of ``DistributedDataParallel``. What it changes, and why:
 * **Clipping**: ``gradient_clip_val`` with the norm algorithm (and no custom
   ``configure_gradient_clipping``) becomes ``wrap(max_grad_norm=...)``: the
   same ``clip_grad_norm_`` after unscaling, inside the step graph.
-  ``clip_in_graph=False`` leaves it to Lightning, between the graphs.
+  ``clip_in_graph=False`` leaves it to Lightning's plugin: its
+  ``torch.nn.utils.clip_grad_norm_`` over every parameter still moves into the
+  step graph of a tier-1 loop (``clip_route.py``); value clipping runs between
+  the graphs.
 * **batch_idx**: left out of the graphs' signatures (``ignore_args``, read
   from ``training_step``'s own parameters); a step that reads it trains
   eagerly, with the line in ``pygraph_dist.report()``.
