@@ -1,0 +1,59 @@
+"""``clip_route``: torch's ``clip_grad_norm_`` replaced by the router at
+``wrap()``. For parameters that are no wrapped model's it must be torch's own
+function, result for result; the probe-side rules are in test_report.py
+(loop_report's clip variants) and the graphed step in test_loops.py."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from pygraph_dist import clip_route
+
+
+def _grads(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(5, 3, generator=g)), torch.nn.Parameter(torch.randn(7, generator=g))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 10
+    return params
+
+
+def test_unwrapped_parameters_get_torchs_own_clip():
+    clip_route.install()
+    try:
+        assert torch.nn.utils.clip_grad_norm_ is clip_route.clip_grad_norm_
+        assert torch.nn.utils.clip_grad.clip_grad_norm_ is clip_route.clip_grad_norm_
+        # the same signature and documentation as torch's
+        assert inspect.signature(torch.nn.utils.clip_grad_norm_) == inspect.signature(clip_route.ORIGINAL)
+        assert torch.nn.utils.clip_grad_norm_.__doc__ == clip_route.ORIGINAL.__doc__
+        for kwargs in ({}, {"norm_type": 1.0}, {"norm_type": float("inf")}, {"foreach": False}):
+            mine, ref = _grads(0), _grads(0)
+            got = torch.nn.utils.clip_grad_norm_(iter(mine), 1.0, **kwargs)  # a generator, as model.parameters()
+            want = clip_route.ORIGINAL(ref, 1.0, **kwargs)
+            assert torch.equal(got, want), kwargs
+            assert all(torch.equal(a.grad, b.grad) for a, b in zip(mine, ref)), kwargs
+        single, ref = _grads(1)[0], _grads(1)[0]  # one tensor, not a list
+        assert torch.equal(torch.nn.utils.clip_grad_norm_(single, 0.5), clip_route.ORIGINAL(ref, 0.5))
+        assert torch.equal(single.grad, ref.grad)
+    finally:
+        clip_route.uninstall()
+    assert torch.nn.utils.clip_grad_norm_ is clip_route.ORIGINAL
+
+
+def test_a_plan_matches_only_the_same_call():
+    params = _grads(2)
+    plan = clip_route.ClipPlan(1.0, tuple(params), None)
+    assert plan.same_call(list(params), 1.0, 2.0, False, None)
+    assert plan.same_call(list(params), 1, 2, False, None)  # ints are the same numbers
+    assert not plan.same_call(list(params), 0.5, 2.0, False, None)
+    assert not plan.same_call(list(params), 1.0, 1.0, False, None)
+    assert not plan.same_call(list(params), 1.0, 2.0, True, None)
+    assert not plan.same_call(list(params), 1.0, 2.0, False, True)
+    assert not plan.same_call(list(reversed(params)), 1.0, 2.0, False, None)  # another order: another norm
+    assert not plan.same_call(params[:1], 1.0, 2.0, False, None)
+    assert plan.same(clip_route.ClipPlan(1.0, tuple(params), None))
+    assert plan.digest() == clip_route.ClipPlan(1.0, tuple(_grads(3)), None).digest()  # ranks' own tensors
+    assert plan.digest() != clip_route.ClipPlan(0.5, tuple(params), None).digest()
+    assert plan.describe() == "clip_grad_norm_(max_norm=1) inside the step graph"
