@@ -10,6 +10,7 @@ The loops are the examples' own (``examples/accelerate_loop.py``,
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import tempfile
@@ -136,9 +137,19 @@ def trainer_vs_stock(steps: int = 6):
     pgd.init()  # before TrainingArguments: Accelerate then uses this process group
     kw = dict(steps=steps, batch=4, seq=32, layers=2, width=64, vocab=128, accum=2, logging_steps=2,
               eval_steps=3)
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    log = logging.getLogger("pygraph_dist")
+    log.addHandler(Keep(logging.INFO))
+    level, log.level = log.level, logging.INFO
     with tempfile.TemporaryDirectory() as out:
         stock = run(True, out, **kw)
         ours = run(False, out, **kw)
+    log.setLevel(level)
     return {
         "max_param_diff": float((ours["params"] - stock["params"]).abs().max()),
         "loss": _losses(ours["log_history"], "loss"), "stock_loss": _losses(stock["log_history"], "loss"),
@@ -147,12 +158,14 @@ def trainer_vs_stock(steps: int = 6):
         "grad_norm": _losses(ours["log_history"], "grad_norm"),
         "stock_grad_norm": _losses(stock["log_history"], "grad_norm"),
         "prepared": ours["prepared"], "stock_prepared": stock["prepared"],
+        "token_hint": [m for m in said if "average_tokens_across_devices" in m],
         **_report(),
     }
 
 
 def test_trainer_trains_like_ddp_on_cpu(ranks):
-    for r in ranks("test_integration_hf:trainer_vs_stock", timeout=240):
+    ranks_results = ranks("test_integration_hf:trainer_vs_stock", timeout=240)
+    for r in ranks_results:
         assert r["prepared"] == "GraphedModule" and r["stock_prepared"] == "DistributedDataParallel"
         assert len(r["loss"]) == 3 and len(r["eval"]) == 2, (r["loss"], r["eval"])
         assert r["max_param_diff"] < CPU_TOLERANCE, (r["max_param_diff"], r["text"])
@@ -162,6 +175,10 @@ def test_trainer_trains_like_ddp_on_cpu(ranks):
         assert r["tiers"] and all(t == "3" for t in r["tiers"]), r["text"]
         # max_grad_norm clips inside the optimizer step (PGDAccelerator.clip_grad_norm_), not between graphs
         assert "clip_grad_norm_" not in r["loop"], r["loop"]
+    # 2 processes: the Trainer's loss *= 2 (average_tokens_across_devices) keeps the loop from
+    # tier 1, and rank 0 says how to change that.
+    assert len(ranks_results[0]["token_hint"]) == 1 and not ranks_results[1]["token_hint"], ranks_results
+    assert "average_tokens_across_devices=False" in ranks_results[0]["token_hint"][0]
 
 
 def trainer_graphed_vs_eager(steps: int = 24, accum: int = 2):
