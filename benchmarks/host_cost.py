@@ -51,6 +51,8 @@ Columns (times per optimizer step, after --warmup steps):
   host p50    median of the same samples, us
   +hand us    host us minus the hand recipe's, same model (the issue's budget:
               tier 1 <= +15 us, tier 2 <= tier 1 + 150 us, clip <= tier 1 + 250 us)
+  +floor us   the tier-2 modes' host us minus hand_tier2's, same model: what
+              pygraph_dist adds to what any loop with its loss outside pays
   tier        pygraph_dist's report: 1 (one graph per iteration), 2 (forward,
               backward and step graphs), 3 (eager); with its phase
   kernels     --kernels only: GPU operations (kernels, memcpy, memset) per step
@@ -441,13 +443,16 @@ def add_deltas(rows: list[dict]) -> None:
             r["host_vs_hand_us"] = r["host_us"] - hand["host_us"]
             r["wall_vs_hand_ms"] = r["wall_ms"] - hand["wall_ms"]
         t1 = ref.get((r["layers"], "pgd_tier1"))
-        if t1 is not None and (r["mode"].startswith("pgd") or r["mode"] == "callables"):
+        if t1 is not None and (r["mode"].startswith("pgd") or r["mode"] in ("callables", "hand_tier2")):
             r["host_vs_tier1_us"] = r["host_us"] - t1["host_us"]
+        floor = ref.get((r["layers"], "hand_tier2"))  # what a loss-outside loop pays anyway
+        if floor is not None and r["mode"] in ("pgd_tier2", "pgd_clip", "pgd_accum4"):
+            r["host_vs_floor_us"] = r["host_us"] - floor["host_us"]
 
 
 def table(rows: list[dict], env: dict) -> str:
     head = (f"{'mode':<11} {'params':>6} {'wall ms':>8} {'host us':>8} {'host p50':>8} {'+hand us':>8} "
-            f"{'+tier1 us':>9} {'tier':>4} {'phase':<7} {'kernels':>8} {'kern us':>8}")
+            f"{'+tier1 us':>9} {'+floor us':>9} {'tier':>4} {'phase':<7} {'kernels':>8} {'kern us':>8}")
     lines = [f"host cost per step; {env.get('device', '')}; torch {env.get('torch', '')}; "
              f"steps {env.get('steps')} after {env.get('warmup')} warm-up", head, "-" * len(head)]
     fmt = lambda v, f: format(v, f) if isinstance(v, (int, float)) else "-"  # noqa: E731
@@ -457,7 +462,8 @@ def table(rows: list[dict], env: dict) -> str:
             continue
         lines.append(f"{r['mode']:<11} {r['params']:>6} {r['wall_ms']:>8.3f} {r['host_us']:>8.1f} "
                      f"{r['host_p50_us']:>8.1f} {fmt(r.get('host_vs_hand_us'), '>8.1f'):>8} "
-                     f"{fmt(r.get('host_vs_tier1_us'), '>9.1f'):>9} {str(r.get('tier', '')):>4} "
+                     f"{fmt(r.get('host_vs_tier1_us'), '>9.1f'):>9} {fmt(r.get('host_vs_floor_us'), '>9.1f'):>9} "
+                     f"{str(r.get('tier', '')):>4} "
                      f"{str(r.get('phase', '')):<7} {fmt(r.get('gpu_ops'), '>8.0f'):>8} "
                      f"{fmt(r.get('gpu_ops_us'), '>8.1f'):>8}")
     broken = [r for r in rows if r.get("phases_us")]
@@ -471,7 +477,8 @@ def table(rows: list[dict], env: dict) -> str:
             lines.append(f"{p:<18}" + "".join(f"{fmt(v, '>14.1f'):>14}" for v in vals))
     lines += ["", "columns: params = parameter tensors; wall ms = back-to-back steps, synchronised at the ends; "
               "host us = mean perf_counter around one step, GPU synchronised (untimed) between steps; "
-              "+hand/+tier1 = host us minus the hand recipe's / tier 1's (same model); tier/phase = "
+              "+hand/+tier1 = host us minus the hand recipe's / tier 1's (same model); +floor = tier 2's "
+              "host us minus hand_tier2's (what pygraph_dist adds to a loss-outside loop); tier/phase = "
               "pygraph_dist's report; kernels = GPU ops per step (--kernels)."]
     return "\n".join(lines)
 
