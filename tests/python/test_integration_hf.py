@@ -248,6 +248,73 @@ def test_trainer_checkpoint_resume_on_cpu(ranks):
     assert r["max_diff"] < CPU_TOLERANCE, (r["max_diff"], r["text"])
 
 
+def trainer_nan_filter(steps: int = 6):
+    """Rank body: a loss that is infinite at two micro-batches (a constant added,
+    so the gradients stay finite), with the Trainer's default
+    logging_nan_inf_filter: stock Trainer against PGDTrainer, which applies the
+    filter on the device (no host read of every loss) while training."""
+    from hf_trainer import TokenDataset, make_model, training_arguments
+
+    import pygraph_dist as pgd
+    from pygraph_dist.integrations.hf import PGDTrainer
+    from transformers import Trainer
+
+    pgd.init()
+
+    def bumped(base):
+        class Bumped(base):
+            calls, seen_train, seen_eval = 0, set(), set()
+
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+                if model.training:
+                    self.calls += 1
+                    self.seen_train.add(self.args.logging_nan_inf_filter)
+                    if self.calls in (3, 8):
+                        loss = loss + float("inf")
+                return loss
+
+            def prediction_step(self, *args, **kwargs):
+                self.seen_eval.add(self.args.logging_nan_inf_filter)
+                return super().prediction_step(*args, **kwargs)
+        return Bumped
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, base in (("stock", Trainer), ("ours", PGDTrainer)):
+            args = training_arguments(tmp, steps=steps, batch=4, accum=2, logging_steps=2, eval_steps=3)
+            trainer = bumped(base)(model=make_model(2, 64, 128, 32), args=args,
+                                   train_dataset=TokenDataset(steps * 2 * 4, 32, 128, seed=1),
+                                   eval_dataset=TokenDataset(8, 32, 128, seed=2))
+            trainer.train()
+            out[name] = {"loss": _losses(trainer.state.log_history, "loss"),
+                         "eval": _losses(trainer.state.log_history, "eval_loss"),
+                         "seen_train": sorted(trainer.seen_train), "seen_eval": sorted(trainer.seen_eval),
+                         "after": trainer.args.logging_nan_inf_filter}
+    return out
+
+
+def test_trainer_filters_nonfinite_losses_on_the_device(ranks):
+    r, = ranks("test_integration_hf:trainer_nan_filter", world_size=1, timeout=240)
+    stock, ours = r["stock"], r["ours"]
+    assert len(ours["loss"]) == 3 and all(v == v and abs(v) != float("inf") for v in ours["loss"]), r
+    assert ours["loss"] == pytest.approx(stock["loss"], rel=1e-6), r  # the filter's averages, as the Trainer's
+    assert ours["eval"] == pytest.approx(stock["eval"], rel=1e-6), r
+    # the host check is off while PGDTrainer trains, on in its evaluation and after train()
+    assert stock["seen_train"] == [True] and ours["seen_train"] == [False], r
+    assert ours["seen_eval"] == [True] and ours["after"] is True, r
+
+
+def test_nan_filtered_is_the_trainers_rule():
+    from pygraph_dist.integrations.hf import nan_filtered
+
+    tr = torch.tensor(6.0)
+    for loss, expected in ((torch.tensor(0.5), 0.5), (torch.tensor(float("nan")), 2.0),
+                           (torch.tensor(float("-inf")), 2.0), (torch.tensor(1.5, dtype=torch.bfloat16), 1.5)):
+        host = tr + (tr / 3 if (torch.isnan(loss) or torch.isinf(loss)) else loss)
+        assert torch.equal(tr + nan_filtered(loss, tr, 3), host) and float(host) == 6.0 + expected
+
+
 def prepare_rules():
     """Rank body: what PGDAccelerator.prepare refuses, and what it gives back."""
     from accelerate_loop import make_model

@@ -44,7 +44,8 @@ for optimizers. The Trainer creates its optimizer in ``create_optimizer`` and
 passes it with the model to ``accelerator.prepare(model, optimizer)``, where
 the pair is wrapped. No method of the Trainer's loop is replaced, so
 ``gradient_accumulation_steps``, ``max_grad_norm``, ``bf16``, the lr scheduler,
-logging and evaluation are the Trainer's own.
+logging and evaluation are the Trainer's own; only ``logging_nan_inf_filter``'s
+per-step host read becomes the same rule on the device (``PGDTrainer.train``).
 """
 
 from __future__ import annotations
@@ -308,6 +309,39 @@ def _ensure_process_group() -> None:
 
 
 # -------------------------------------------------------------------- Trainer
+def nan_filtered(loss: torch.Tensor, tr_loss: torch.Tensor, steps: int) -> torch.Tensor:
+    """What the Trainer's ``logging_nan_inf_filter`` adds to its running loss
+    ``tr_loss``, computed on the device: ``loss`` where it is finite, else
+    ``tr_loss / steps`` (the average of the losses since the last log), the
+    Trainer's own expression. ``tr_loss += nan_filtered(...)`` is then the
+    Trainer's ``if isnan or isinf: tr_loss += tr_loss / steps else: tr_loss +=
+    loss``, without reading the loss on the host."""
+    if loss.device != tr_loss.device or loss.dim() != 0:
+        return loss  # left to the Trainer's own checks (its device error), as without the filter
+    return torch.where(torch.isfinite(loss), loss, tr_loss / steps)
+
+
+_FILTER_FITS: list[bool] = []
+
+
+def _device_nan_filter_fits() -> bool:
+    """Whether this transformers' training loop is the one :func:`nan_filtered`
+    mirrors: the running loss in ``self._tr_loss``, the filter adding
+    ``self._tr_loss / (1 + global_step - _globalstep_last_logged)`` (transformers
+    5). Otherwise the Trainer's host check stays."""
+    if not _FILTER_FITS:
+        source = ""
+        for name in ("_inner_training_loop", "_run_epoch"):  # the loop's body is in _run_epoch (5.x)
+            try:
+                source += inspect.getsource(getattr(_transformers.Trainer, name))
+            except (OSError, TypeError, AttributeError):
+                pass
+        expression = "self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)"
+        _FILTER_FITS.append(expression in source and "self._tr_loss += tr_loss_step" in source
+                            and "self.training_step(" in source)
+    return _FILTER_FITS[0]
+
+
 try:
     import transformers as _transformers
 except ImportError:  # PGDAccelerator works without transformers; PGDTrainer says what to install
@@ -346,6 +380,47 @@ if _transformers is not None:
                     "average_tokens_across_devices=False) keeps the model's loss (tier 1); it trains the "
                     "same where every rank's batch holds the same number of label tokens",
                     self.args.world_size, self.args.world_size)
+
+        def train(self, *args, **kwargs):
+            """``Trainer.train``, with ``logging_nan_inf_filter`` applied on the device.
+
+            The Trainer's filter reads every micro-batch's loss on the host
+            (``torch.isnan(loss) or torch.isinf(loss)``): one wait for the GPU per
+            micro-batch, which puts the Trainer's own Python after each graph
+            replay instead of beside it. :meth:`training_step` applies the same
+            rule with ``torch.where`` (a non-finite loss is replaced by what the
+            Trainer would have added, the running average), and the host check is
+            off while training -- the same logged losses, bitwise. Evaluation
+            keeps the option as set (:meth:`evaluation_loop`)."""
+            on_device = bool(self.args.logging_nan_inf_filter) and _device_nan_filter_fits()
+            if not on_device:
+                return super().train(*args, **kwargs)
+            try:
+                self.args.logging_nan_inf_filter = False
+            except Exception:  # arguments that refuse changes: the Trainer's host check stays
+                return super().train(*args, **kwargs)
+            self._pgd_nan_filter = True
+            try:
+                return super().train(*args, **kwargs)
+            finally:
+                self._pgd_nan_filter = False
+                self.args.logging_nan_inf_filter = True
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if not getattr(self, "_pgd_nan_filter", False):
+                return loss
+            return nan_filtered(loss, self._tr_loss,
+                                1 + self.state.global_step - self._globalstep_last_logged)
+
+        def evaluation_loop(self, *args, **kwargs):
+            if not getattr(self, "_pgd_nan_filter", False):
+                return super().evaluation_loop(*args, **kwargs)
+            self.args.logging_nan_inf_filter = True  # evaluation filters its losses as configured
+            try:
+                return super().evaluation_loop(*args, **kwargs)
+            finally:
+                self.args.logging_nan_inf_filter = False
 
         def create_accelerator_and_postprocess(self) -> None:
             super().create_accelerator_and_postprocess()
