@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from typing import Callable
 
 import torch
 from accelerate import Accelerator
@@ -44,8 +45,10 @@ def make_model(layers: int, width: int, vocab: int, seq: int, seed: int = 0) -> 
 
 
 def run(accelerator: Accelerator, *, steps: int = 20, batch: int = 8, seq: int = 64, layers: int = 2,
-        width: int = 128, vocab: int = 512, lr: float = 1e-3, log_every: int = 5) -> dict:
-    """Train and evaluate; returns the logged losses, the eval loss and the final parameters."""
+        width: int = 128, vocab: int = 512, lr: float = 1e-3, log_every: int = 5,
+        on_step: Callable[[int], None] | None = None) -> dict:
+    """Train and evaluate; returns the logged losses, the eval loss and the final parameters.
+    ``on_step(n)`` after the n-th optimizer step (``benchmarks/bench_hf.py`` times the loop with it)."""
     accum = accelerator.gradient_accumulation_steps
     model = make_model(layers, width, vocab, seq)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
@@ -77,6 +80,8 @@ def run(accelerator: Accelerator, *, steps: int = 20, batch: int = 8, seq: int =
                 mean = accelerator.reduce(loss.detach(), reduction="mean").item()
                 logged.append(mean)
                 accelerator.print(f"step {done:4d}  loss {mean:.4f}  lr {scheduler.get_last_lr()[0]:.2e}")
+            if on_step is not None:
+                on_step(done)
     elapsed = time.perf_counter() - started
 
     model.eval()

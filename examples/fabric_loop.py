@@ -20,6 +20,29 @@ import lightning as L
 from lightning_gpt import GPT, loaders
 
 
+def train(fabric: L.Fabric, model, optimizer, loader, accumulate: int, on_step=None) -> int:
+    """The loop, on a set-up model, optimizer and loader; returns the optimizer steps
+    taken. ``on_step(step, loss)`` after each optimizer step (the loss tensor, not
+    read: ``benchmarks/bench_lightning.py`` times the loop with it)."""
+    step = 0
+    for i, (x, y) in enumerate(loader):
+        last = (i + 1) % accumulate == 0
+        with fabric.no_backward_sync(model, enabled=not last):  # all-reduce on the last micro-batch
+            logits = model(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+            fabric.backward(loss / accumulate)
+        if last:
+            fabric.clip_gradients(model, optimizer, max_norm=1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            step = (i + 1) // accumulate
+            if step % 10 == 0:
+                fabric.print(f"step {step}: loss {loss.item():.4f}")
+            if on_step is not None:
+                on_step(step, loss)
+    return step
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--strategy", choices=("pgd", "ddp"), default="pgd")
@@ -40,22 +63,10 @@ def main() -> None:
     model = GPT(vocab, seq, layers=6 if gpu else 2, width=384 if gpu else 64, heads=6 if gpu else 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     model, optimizer = fabric.setup(model, optimizer)
-    train, _ = loaders(batch, seq, vocab, train_batches=args.steps * args.accumulate, world=fabric.world_size)
-    train = fabric.setup_dataloaders(train)
+    loader, _ = loaders(batch, seq, vocab, train_batches=args.steps * args.accumulate, world=fabric.world_size)
+    loader = fabric.setup_dataloaders(loader)
 
-    for i, (x, y) in enumerate(train):
-        last = (i + 1) % args.accumulate == 0
-        with fabric.no_backward_sync(model, enabled=not last):  # all-reduce on the last micro-batch
-            logits = model(x)
-            loss = F.cross_entropy(logits.view(-1, vocab), y.view(-1))
-            fabric.backward(loss / args.accumulate)
-        if last:
-            fabric.clip_gradients(model, optimizer, max_norm=1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-            step = (i + 1) // args.accumulate
-            if step % 10 == 0:
-                fabric.print(f"step {step}: loss {loss.item():.4f}")
+    train(fabric, model, optimizer, loader, args.accumulate)
     if args.strategy == "pgd" and fabric.is_global_zero:
         import pygraph_dist as pgd
 

@@ -468,14 +468,16 @@ def test_amp_option_is_refused_with_the_fix():
 
 
 # ---------------------------------------------------------------- benchmark
-def test_bench_hf_smoke(tmp_path):
+@pytest.mark.parametrize("framework, labels", [("trainer", {"Trainer", "PGDTrainer"}),
+                                               ("accelerate", {"Accelerator", "PGDAccelerator"})])
+def test_bench_hf_smoke(tmp_path, framework, labels):
     out = tmp_path / "bench.json"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_hf.py"), "--smoke", "--out", str(out)],
-                       capture_output=True, text=True, timeout=240, cwd=str(ROOT))
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_hf.py"), "--smoke", "--framework", framework,
+                        "--out", str(out)], capture_output=True, text=True, timeout=240, cwd=str(ROOT))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     import json
 
     result = json.loads(out.read_text())
     rows = {r["trainer"]: r for r in result["rows"]}
-    assert set(rows) == {"Trainer", "PGDTrainer"}, result
+    assert set(rows) == labels and result["config"]["framework"] == framework, result
     assert all(r["ms_per_step"] > 0 and r["steps_timed"] > 0 for r in rows.values()), result

@@ -361,12 +361,16 @@ def test_missing_lightning_names_the_extra():
 
 
 @pytest.mark.timeout(300)
-def test_benchmark_smoke_cpu(tmp_path):
+@pytest.mark.parametrize("framework", ["trainer", "fabric"])
+def test_benchmark_smoke_cpu(tmp_path, framework):
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_lightning.py"), "--smoke", "--out", str(out)],
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_lightning.py"), "--smoke",
+                        "--framework", framework, "--out", str(out)],
                        env=child_env(), capture_output=True, text=True, timeout=280, cwd=str(ROOT))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    assert result["config"]["framework"] == framework
+    rows = result["rows"]
     assert {row["strategy"] for row in rows} == {"ddp", "pgd"}
     assert all(row["ms_per_step"] > 0 and row["steps_timed"] > 0 for row in rows), rows
 
