@@ -30,8 +30,15 @@ graphed per micro-batch (tier 2), its clipping eager between the graphs --
 * Where the loop runs as written (tier 2, eager, evaluation), torch's runs.
 
 ``from torch.nn.utils import clip_grad_norm_`` executed before ``wrap()`` binds
-torch's function; such a call is seen by the monitor as before (tier 2, with a
-reason that names it).
+torch's function to a name of the script's own (or of a helper module it
+imported). At every ``wrap()``, :func:`install` also rebinds such names --
+every module global that *is* torch's function, outside torch and
+pygraph_dist, and the globals of the functions on the stack that called
+``wrap()`` -- to :func:`clip_grad_norm_`, which is torch's for every parameter
+no wrapped model owns. A module imported after ``wrap()`` gets the router from
+``torch.nn.utils`` itself. Only a reference kept elsewhere (an attribute, a
+default argument, a closure) stays torch's: the monitor then sees its
+gradient writes as changes of the loop, with a reason that names the line.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import dataclasses
 import functools
 import math
 import operator
+import sys
 import zlib
 
 import torch
@@ -77,23 +85,58 @@ class ClipPlan:
         return f"clip_grad_norm_(max_norm={self.max_norm:g}) inside the step graph"
 
 
+_OWN = ("pygraph_dist", "torch")  # modules whose names install() leaves as they are
+_rebound: list[tuple[dict, str]] = []  # (module globals, name) that install() rebound
+
+
 def install() -> None:
-    """Put :func:`clip_grad_norm_` in place of torch's (idempotent)."""
+    """Put :func:`clip_grad_norm_` in place of torch's (once), and in place of
+    the names the calling script bound to torch's function (every call)."""
     global _installed
-    if _installed:
-        return
-    for mod in _MODULES:
-        if getattr(mod, "clip_grad_norm_", None) is ORIGINAL:
-            mod.clip_grad_norm_ = clip_grad_norm_
-    _installed = True
+    if not _installed:
+        for mod in _MODULES:
+            if getattr(mod, "clip_grad_norm_", None) is ORIGINAL:
+                mod.clip_grad_norm_ = clip_grad_norm_
+        _installed = True
+    spaces = []
+    for name, mod in list(sys.modules.items()):  # the script and the modules it imported
+        space = getattr(mod, "__dict__", None)
+        if isinstance(space, dict) and not str(name).startswith(_OWN):
+            spaces.append(space)
+    frame = sys._getframe(1)
+    while frame is not None:  # wrap()'s callers: the script, or the framework that wraps for it
+        if not str(frame.f_globals.get("__name__", "")).startswith(_OWN):
+            spaces.append(frame.f_globals)
+        frame = frame.f_back
+    rebind(spaces)
+
+
+def rebind(spaces: list[dict]) -> list[str]:
+    """Every global of ``spaces`` that is torch's ``clip_grad_norm_`` becomes the
+    router; returns the names. ``uninstall`` binds them back."""
+    names, seen = [], set()
+    for space in spaces:
+        if id(space) in seen:
+            continue
+        seen.add(id(space))
+        for name, value in list(space.items()):
+            if value is ORIGINAL:
+                space[name] = clip_grad_norm_
+                _rebound.append((space, name))
+                names.append(f"{space.get('__name__', '?')}.{name}")
+    return names
 
 
 def uninstall() -> None:
-    """Give torch its function back (tests)."""
+    """Give torch its function back (tests), also to the names :func:`install` rebound."""
     global _installed
     for mod in _MODULES:
         if getattr(mod, "clip_grad_norm_", None) is clip_grad_norm_:
             mod.clip_grad_norm_ = ORIGINAL
+    for space, name in _rebound:
+        if space.get(name) is clip_grad_norm_:
+            space[name] = ORIGINAL
+    _rebound.clear()
     _installed = False
 
 

@@ -57,3 +57,25 @@ def test_a_plan_matches_only_the_same_call():
     assert plan.digest() == clip_route.ClipPlan(1.0, tuple(_grads(3)), None).digest()  # ranks' own tensors
     assert plan.digest() != clip_route.ClipPlan(0.5, tuple(params), None).digest()
     assert plan.describe() == "clip_grad_norm_(max_norm=1) inside the step graph"
+
+
+def test_names_bound_to_torchs_clip_before_wrap_are_rebound():
+    """``from torch.nn.utils import clip_grad_norm_`` before wrap(): install()
+    rebinds that global of the calling module (and only names bound to torch's
+    function); uninstall() binds it back."""
+    clip_route.uninstall()
+    space: dict = {"__name__": "user_script", "clip_route": clip_route}
+    exec("from torch.nn.utils import clip_grad_norm_\n"
+         "from torch.nn.utils.clip_grad import clip_grad_norm_ as clip\n"
+         "other = len\n"
+         "def setup():\n"
+         "    clip_route.install()\n", space)
+    assert space["clip_grad_norm_"] is clip_route.ORIGINAL and space["clip"] is clip_route.ORIGINAL
+    try:
+        space["setup"]()  # as wrap() called from the script's function
+        assert space["clip_grad_norm_"] is clip_route.clip_grad_norm_
+        assert space["clip"] is clip_route.clip_grad_norm_ and space["other"] is len
+        assert clip_route.rebind([space]) == []  # nothing left to rebind: idempotent
+    finally:
+        clip_route.uninstall()
+    assert space["clip_grad_norm_"] is clip_route.ORIGINAL and space["clip"] is clip_route.ORIGINAL
