@@ -446,11 +446,12 @@ def test_report_of_a_tier2_loop_on_gpu(ranks):
 
 
 @pytest.mark.gpu
-def test_report_of_a_clipping_loop_on_gpu(ranks):
-    """clip_grad_norm_(model.parameters(), 1.0) in the loop: tier 1, and the
-    report says where the clipping went."""
+@pytest.mark.parametrize("clip", [1, 9])
+def test_report_of_a_clipping_loop_on_gpu(ranks, clip):
+    """clip_grad_norm_(model.parameters(), 1.0) in the loop (9: through a name
+    imported before wrap()): tier 1, and the report says where the clipping went."""
     r, = ranks("test_report:loop_report", world_size=1, timeout=300,
-               kwargs={"variant": "readme", "clip": 1, "steps": 20})
+               kwargs={"variant": "readme", "clip": clip, "steps": 20})
     assert r["tiers"] == ["1"] and r["phases"] == ["replay"], r["verbose"]
     assert "your clip_grad_norm_(max_norm=1) inside the step graph" in flat(r["verbose"]), r["verbose"]
 
