@@ -48,6 +48,7 @@ import functools
 import math
 import operator
 import sys
+import types
 import zlib
 
 import torch
@@ -85,7 +86,8 @@ class ClipPlan:
         return f"clip_grad_norm_(max_norm={self.max_norm:g}) inside the step graph"
 
 
-_OWN = ("pygraph_dist", "torch")  # modules whose names install() leaves as they are
+_OWN = ("pygraph_dist", "torch")  # packages whose names install() leaves as they are
+_MODULE_DICT = types.ModuleType.__dict__["__dict__"]
 _rebound: list[tuple[dict, str]] = []  # (module globals, name) that install() rebound
 
 
@@ -100,15 +102,22 @@ def install() -> None:
         _installed = True
     spaces = []
     for name, mod in list(sys.modules.items()):  # the script and the modules it imported
-        space = getattr(mod, "__dict__", None)
-        if isinstance(space, dict) and not str(name).startswith(_OWN):
-            spaces.append(space)
+        if isinstance(mod, types.ModuleType) and not _own(name):
+            try:  # the module's own dict, past any __dict__ or __getattr__ of a module subclass
+                spaces.append(_MODULE_DICT.__get__(mod))
+            except Exception:  # noqa: BLE001 - a module that cannot be read keeps its names
+                continue
     frame = sys._getframe(1)
     while frame is not None:  # wrap()'s callers: the script, or the framework that wraps for it
-        if not str(frame.f_globals.get("__name__", "")).startswith(_OWN):
+        if not _own(frame.f_globals.get("__name__", "")):
             spaces.append(frame.f_globals)
         frame = frame.f_back
     rebind(spaces)
+
+
+def _own(name) -> bool:
+    name = str(name)
+    return any(name == p or name.startswith(p + ".") for p in _OWN)
 
 
 def rebind(spaces: list[dict]) -> list[str]:
@@ -146,8 +155,9 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     # wrapped model's parameters, routed by its engine (module docstring).
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     engine = _engine_of(params)
-    if engine is None:
-        return ORIGINAL(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+    if engine is None:  # torch's, as called: a generator stays one (torch warns when it is empty)
+        given = (p for p in params) if isinstance(parameters, types.GeneratorType) else params
+        return ORIGINAL(given, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
     return engine.user_clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
@@ -183,7 +193,9 @@ def routable(engine, params: list, max_norm, norm_type, error_if_nonfinite, fore
     norm, limit = float(norm_type), float(max_norm)
     if norm != 2.0:
         return f"norm_type={norm_type} (the step clips with norm 2)"
-    if not (math.isfinite(limit) and limit > 0):
+    if math.isnan(limit) or limit <= 0:
+        # max_norm=inf stays: a norm only (Trainer's max_grad_norm=0 logs it so), the
+        # gradients multiplied by 1.0 in the graph as eagerly, bitwise.
         return f"max_norm={max_norm}"
     if error_if_nonfinite:
         return "error_if_nonfinite=True reads the norm on the host"

@@ -112,6 +112,15 @@ class ProbeCalls:
                 if entry.policy.phase != Phase.PROBE:
                     self.loop.probe_done = True
                 return
+            if split.agreed:
+                # A tier-2 loop where no graph can run (a CPU build, graphs=False): the
+                # report says what the loop fits and why not tier 1 ("fits tier 2"), not
+                # "not graphable"; it trains eagerly for graphs_reason, as a conforming one.
+                self.loop.split_reason = verdict.reason
+                if entry.policy.phase != Phase.PROBE:
+                    self.loop.probe_done = True
+                    entry.policy.disable(self.graphs_reason)
+                return
             self.loop.split_reason = ""
             if not split.agreed:
                 verdict = split

@@ -59,6 +59,26 @@ def test_a_plan_matches_only_the_same_call():
     assert plan.describe() == "clip_grad_norm_(max_norm=1) inside the step graph"
 
 
+def test_an_empty_generator_warns_as_torch_does():
+    import warnings
+
+    clip_route.install()
+    try:
+        for fn in (clip_route.ORIGINAL, torch.nn.utils.clip_grad_norm_):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fn((p for p in []), 1.0)
+            assert any("empty generator" in str(w.message) for w in caught), (fn, caught)
+    finally:
+        clip_route.uninstall()
+
+
+def test_only_torch_and_pygraph_dist_keep_their_names():
+    assert clip_route._own("torch") and clip_route._own("torch.nn.utils") and clip_route._own("pygraph_dist.step")
+    assert not clip_route._own("torchvision") and not clip_route._own("torch_utils")
+    assert not clip_route._own("torchmetrics.functional") and not clip_route._own("__main__")
+
+
 def test_names_bound_to_torchs_clip_before_wrap_are_rebound():
     """``from torch.nn.utils import clip_grad_norm_`` before wrap(): install()
     rebinds that global of the calling module (and only names bound to torch's

@@ -252,24 +252,34 @@ def trainer_nan_filter(steps: int = 6):
     """Rank body: a loss that is infinite at two micro-batches (a constant added,
     so the gradients stay finite), with the Trainer's default
     logging_nan_inf_filter: stock Trainer against PGDTrainer, which applies the
-    filter on the device (no host read of every loss) while training."""
+    filter on the device (no host read of every loss) while training. Counts
+    the Trainer loop's own torch.isnan calls (its host check) and what
+    callbacks and evaluation see of the option."""
+    import sys
+
     from hf_trainer import TokenDataset, make_model, training_arguments
 
     import pygraph_dist as pgd
     from pygraph_dist.integrations.hf import PGDTrainer
-    from transformers import Trainer
+    from transformers import Trainer, TrainerCallback
 
     pgd.init()
+    host_checks = [0]
+    isnan = torch.isnan
+
+    def counting_isnan(*args, **kwargs):
+        if sys._getframe(1).f_code.co_name in ("_run_epoch", "_inner_training_loop"):
+            host_checks[0] += 1
+        return isnan(*args, **kwargs)
 
     def bumped(base):
         class Bumped(base):
-            calls, seen_train, seen_eval = 0, set(), set()
+            calls, seen_eval = 0, set()
 
             def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
                 loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
                 if model.training:
                     self.calls += 1
-                    self.seen_train.add(self.args.logging_nan_inf_filter)
                     if self.calls in (3, 8):
                         loss = loss + float("inf")
                 return loss
@@ -279,18 +289,35 @@ def trainer_nan_filter(steps: int = 6):
                 return super().prediction_step(*args, **kwargs)
         return Bumped
 
+    class Seen(TrainerCallback):
+        def __init__(self):
+            self.values = set()
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.values.add(args.logging_nan_inf_filter)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.values.add(args.logging_nan_inf_filter)
+
     out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, base in (("stock", Trainer), ("ours", PGDTrainer)):
-            args = training_arguments(tmp, steps=steps, batch=4, accum=2, logging_steps=2, eval_steps=3)
-            trainer = bumped(base)(model=make_model(2, 64, 128, 32), args=args,
-                                   train_dataset=TokenDataset(steps * 2 * 4, 32, 128, seed=1),
-                                   eval_dataset=TokenDataset(8, 32, 128, seed=2))
-            trainer.train()
-            out[name] = {"loss": _losses(trainer.state.log_history, "loss"),
-                         "eval": _losses(trainer.state.log_history, "eval_loss"),
-                         "seen_train": sorted(trainer.seen_train), "seen_eval": sorted(trainer.seen_eval),
-                         "after": trainer.args.logging_nan_inf_filter}
+    torch.isnan = counting_isnan
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, base in (("stock", Trainer), ("ours", PGDTrainer)):
+                host_checks[0] = 0
+                seen = Seen()
+                args = training_arguments(tmp, steps=steps, batch=4, accum=2, logging_steps=2, eval_steps=3)
+                trainer = bumped(base)(model=make_model(2, 64, 128, 32), args=args, callbacks=[seen],
+                                       train_dataset=TokenDataset(steps * 2 * 4, 32, 128, seed=1),
+                                       eval_dataset=TokenDataset(8, 32, 128, seed=2))
+                trainer.train()
+                out[name] = {"loss": _losses(trainer.state.log_history, "loss"),
+                             "eval": _losses(trainer.state.log_history, "eval_loss"),
+                             "host_checks": host_checks[0], "micro_batches": trainer.calls,
+                             "seen_callbacks": sorted(seen.values), "seen_eval": sorted(trainer.seen_eval),
+                             "after": trainer.args.logging_nan_inf_filter}
+    finally:
+        torch.isnan = isnan
     return out
 
 
@@ -300,13 +327,20 @@ def test_trainer_filters_nonfinite_losses_on_the_device(ranks):
     assert len(ours["loss"]) == 3 and all(v == v and abs(v) != float("inf") for v in ours["loss"]), r
     assert ours["loss"] == pytest.approx(stock["loss"], rel=1e-6), r  # the filter's averages, as the Trainer's
     assert ours["eval"] == pytest.approx(stock["eval"], rel=1e-6), r
-    # the host check is off while PGDTrainer trains, on in its evaluation and after train()
-    assert stock["seen_train"] == [True] and ours["seen_train"] == [False], r
-    assert ours["seen_eval"] == [True] and ours["after"] is True, r
+    # the Trainer reads every micro-batch's loss on the host; PGDTrainer's loop never does
+    assert stock["host_checks"] == stock["micro_batches"] == 12 and ours["host_checks"] == 0, r
+    # callbacks, evaluation and train()'s caller see the option as set
+    assert ours["seen_callbacks"] == [True] and ours["seen_eval"] == [True] and ours["after"] is True, r
 
 
 def test_nan_filtered_is_the_trainers_rule():
-    from pygraph_dist.integrations.hf import nan_filtered
+    from pygraph_dist.integrations.hf import PGDTrainer, _loop_is_transformers, nan_filtered
+
+    class OwnStep(PGDTrainer):  # may change the loss after the filter: the host check stays
+        def training_step(self, *args, **kwargs):
+            return super().training_step(*args, **kwargs) * 1
+
+    assert _loop_is_transformers(PGDTrainer) and not _loop_is_transformers(OwnStep)
 
     tr = torch.tensor(6.0)
     for loss, expected in ((torch.tensor(0.5), 0.5), (torch.tensor(float("nan")), 2.0),

@@ -287,7 +287,8 @@ def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0,
     error_if_nonfinite=True (4), in the first step only (5), over an unwrapped
     model's parameters (6: torch's own, as if pygraph_dist were not there),
     with a tensor max_norm (7), after optimizer.step() (8), through a name the
-    module imported before wrap() (9: rebound at wrap()). backend: "auto" (pgd.init())
+    module imported before wrap() (9: rebound at wrap()), with max_norm=inf (10:
+    the norm only, as Trainer logs it with max_grad_norm=0). backend: "auto" (pgd.init())
     or a stock backend name given to init_process_group directly. select: wrap(select=...)."""
     said: list[str] = []
 
@@ -342,6 +343,8 @@ def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0,
                 torch.nn.utils.clip_grad_norm_(params, torch.tensor(1.0))
             elif clip == 9:
                 imported_clip_grad_norm_(params, 1.0)
+            elif clip == 10:
+                torch.nn.utils.clip_grad_norm_(params, float("inf"))
             if clip == 3:
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -409,14 +412,14 @@ CLIP_REASONS = {
 }
 
 
-@pytest.mark.parametrize("clip", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("clip", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
 def test_a_clip_over_all_parameters_conforms(ranks, clip):
     """clip_grad_norm_ over all the model's parameters, once per step, keeps the
     loop fit for tier 1 (so does a clip of a model pygraph_dist does not wrap);
     any other clip does not, and the check says why."""
     for r in ranks("test_report:loop_report", timeout=120, kwargs={"clip": clip}):
         verbose = r["verbose"]
-        if clip in (1, 6, 8, 9):
+        if clip in (1, 6, 8, 9, 10):
             assert verbose.count("loop check: conforms") == 1, verbose
         else:
             assert "loop check: conforms" not in verbose, verbose

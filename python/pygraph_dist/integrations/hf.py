@@ -327,8 +327,9 @@ _FILTER_FITS: list[bool] = []
 def _device_nan_filter_fits() -> bool:
     """Whether this transformers' training loop is the one :func:`nan_filtered`
     mirrors: the running loss in ``self._tr_loss``, the filter adding
-    ``self._tr_loss / (1 + global_step - _globalstep_last_logged)`` (transformers
-    5). Otherwise the Trainer's host check stays."""
+    ``self._tr_loss / (1 + global_step - _globalstep_last_logged)``, and the
+    option read once, after ``training_step`` and before ``floating_point_ops``
+    (transformers 5). Otherwise the Trainer's host check stays."""
     if not _FILTER_FITS:
         source = ""
         for name in ("_inner_training_loop", "_run_epoch"):  # the loop's body is in _run_epoch (5.x)
@@ -337,9 +338,23 @@ def _device_nan_filter_fits() -> bool:
             except (OSError, TypeError, AttributeError):
                 pass
         expression = "self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)"
+        check, step = source.find("self.args.logging_nan_inf_filter"), source.find("self.training_step(")
+        flops = source.find("self.floating_point_ops(inputs)", max(check, 0))
         _FILTER_FITS.append(expression in source and "self._tr_loss += tr_loss_step" in source
-                            and "self.training_step(" in source)
+                            and 0 <= step < check < flops
+                            and source.count("self.args.logging_nan_inf_filter") == 1)
     return _FILTER_FITS[0]
+
+
+def _loop_is_transformers(cls) -> bool:
+    """Whether a PGDTrainer (sub)class runs transformers' loop with PGDTrainer's
+    training_step and floating_point_ops: a subclass that changes the loss after
+    them, or the loop itself, keeps the Trainer's host check."""
+    trainer = _transformers.Trainer
+    return (cls.training_step is PGDTrainer.training_step
+            and cls.floating_point_ops is PGDTrainer.floating_point_ops
+            and all(getattr(cls, name, None) is getattr(trainer, name, None)
+                    for name in ("_inner_training_loop", "_run_epoch")))
 
 
 try:
@@ -389,38 +404,45 @@ if _transformers is not None:
             micro-batch, which puts the Trainer's own Python after each graph
             replay instead of beside it. :meth:`training_step` applies the same
             rule with ``torch.where`` (a non-finite loss is replaced by what the
-            Trainer would have added, the running average), and the host check is
-            off while training -- the same logged losses, bitwise. Evaluation
-            keeps the option as set (:meth:`evaluation_loop`)."""
-            on_device = bool(self.args.logging_nan_inf_filter) and _device_nan_filter_fits()
-            if not on_device:
-                return super().train(*args, **kwargs)
-            try:
-                self.args.logging_nan_inf_filter = False
-            except Exception:  # arguments that refuse changes: the Trainer's host check stays
-                return super().train(*args, **kwargs)
-            self._pgd_nan_filter = True
+            Trainer would have added, the running average) and turns the option
+            off for the host check that follows it; :meth:`floating_point_ops`,
+            which the Trainer calls next, turns it on again. Callbacks,
+            evaluation and saved arguments see it as set; logged losses are the
+            same, bitwise. Only where this class's loop is transformers' own
+            (:func:`_device_nan_filter_fits`)."""
+            self._pgd_nan_filter = (bool(self.args.logging_nan_inf_filter) and _device_nan_filter_fits()
+                                    and _loop_is_transformers(type(self)))
             try:
                 return super().train(*args, **kwargs)
             finally:
                 self._pgd_nan_filter = False
-                self.args.logging_nan_inf_filter = True
+                if self._pgd_filter_off:
+                    self._pgd_filter_on()
+
+        _pgd_nan_filter = False
+        _pgd_filter_off = False
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             loss = super().training_step(model, inputs, num_items_in_batch)
-            if not getattr(self, "_pgd_nan_filter", False):
-                return loss
-            return nan_filtered(loss, self._tr_loss,
-                                1 + self.state.global_step - self._globalstep_last_logged)
-
-        def evaluation_loop(self, *args, **kwargs):
-            if not getattr(self, "_pgd_nan_filter", False):
-                return super().evaluation_loop(*args, **kwargs)
-            self.args.logging_nan_inf_filter = True  # evaluation filters its losses as configured
+            if not self._pgd_nan_filter or loss.device != self._tr_loss.device or loss.dim() != 0:
+                return loss  # the Trainer's own host check (and its device error)
+            filtered = nan_filtered(loss, self._tr_loss, 1 + self.state.global_step - self._globalstep_last_logged)
             try:
-                return super().evaluation_loop(*args, **kwargs)
-            finally:
-                self.args.logging_nan_inf_filter = False
+                self.args.logging_nan_inf_filter = False  # for the host check right after this call
+            except Exception:  # arguments that refuse changes: the host check stays, on the same value
+                return loss
+            self._pgd_filter_off = True
+            return filtered
+
+        def floating_point_ops(self, inputs):
+            # The Trainer's next call after its nan/inf check (_run_epoch): the option as set again.
+            if self._pgd_filter_off:
+                self._pgd_filter_on()
+            return super().floating_point_ops(inputs)
+
+        def _pgd_filter_on(self) -> None:
+            self.args.logging_nan_inf_filter = True
+            self._pgd_filter_off = False
 
         def create_accelerator_and_postprocess(self) -> None:
             super().create_accelerator_and_postprocess()
