@@ -113,11 +113,14 @@ def bench_one(plain: bool, cfg: dict, out_dir: str) -> dict:
     run(plain, out_dir, steps=cfg["steps"], batch=cfg["batch"], seq=cfg["seq"], layers=cfg["layers"],
         width=cfg["width"], vocab=cfg["vocab"], accum=cfg["accum"], logging_steps=cfg["logging_steps"],
         eval_steps=None, callbacks=(_callback(timer),), **extra)
-    total_s = time.perf_counter() - started
+    return _row("Trainer" if plain else "PGDTrainer", plain, timer, cfg, time.perf_counter() - started)
+
+
+def _row(label: str, plain: bool, timer: StepTimer, cfg: dict, total_s: float) -> dict:
+    """One table row: the median window, max over ranks; pygraph_dist's report for ours."""
     ms = statistics.median(timer.windows) if timer.windows else float("nan")
-    row = {"trainer": "Trainer" if plain else "PGDTrainer", "ms_per_step": _max_over_ranks(ms),
-           "steps_timed": len(timer.windows) * cfg["window"], "windows_ms": timer.windows,
-           "total_s": total_s}
+    row = {"trainer": label, "ms_per_step": _max_over_ranks(ms), "steps_timed": len(timer.windows) * cfg["window"],
+           "windows_ms": timer.windows, "total_s": total_s}
     if not plain:
         row.update(_pgd_columns())
     return row
@@ -144,14 +147,7 @@ def bench_accelerate(plain: bool, cfg: dict) -> dict:
     started = time.perf_counter()
     run(accelerator, steps=cfg["steps"], batch=cfg["batch"], seq=cfg["seq"], layers=cfg["layers"],
         width=cfg["width"], vocab=cfg["vocab"], log_every=cfg["logging_steps"], on_step=timer.tick)
-    total_s = time.perf_counter() - started
-    ms = statistics.median(timer.windows) if timer.windows else float("nan")
-    row = {"trainer": "Accelerator" if plain else "PGDAccelerator", "ms_per_step": _max_over_ranks(ms),
-           "steps_timed": len(timer.windows) * cfg["window"], "windows_ms": timer.windows,
-           "total_s": total_s}
-    if not plain:
-        row.update(_pgd_columns())
-    return row
+    return _row("Accelerator" if plain else "PGDAccelerator", plain, timer, cfg, time.perf_counter() - started)
 
 
 def main(argv: list[str] | None = None) -> None:
