@@ -165,6 +165,10 @@ def main() -> None:
         row = (fabric_child if args.framework == "fabric" else child)(args)
         if row is not None:
             Path(args.out).write_text(json.dumps(row))
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # Lightning's DDP leaves its group open (torch warns at exit)
+            dist.destroy_process_group()
         return
 
     rows = []
