@@ -61,6 +61,8 @@ import pygraph_dist as pgd
 from pygraph_dist import GraphedModule
 from pygraph_dist.config import sparse_param_names
 
+from . import _hf_nan_filter
+
 EXTRA_HINT = "pip install pygraph_dist[hf]"
 
 try:
@@ -309,54 +311,6 @@ def _ensure_process_group() -> None:
 
 
 # -------------------------------------------------------------------- Trainer
-def nan_filtered(loss: torch.Tensor, tr_loss: torch.Tensor, steps: int) -> torch.Tensor:
-    """What the Trainer's ``logging_nan_inf_filter`` adds to its running loss
-    ``tr_loss``, computed on the device: ``loss`` where it is finite, else
-    ``tr_loss / steps`` (the average of the losses since the last log), the
-    Trainer's own expression. ``tr_loss += nan_filtered(...)`` is then the
-    Trainer's ``if isnan or isinf: tr_loss += tr_loss / steps else: tr_loss +=
-    loss``, without reading the loss on the host."""
-    if loss.device != tr_loss.device or loss.dim() != 0:
-        return loss  # left to the Trainer's own checks (its device error), as without the filter
-    return torch.where(torch.isfinite(loss), loss, tr_loss / steps)
-
-
-_FILTER_FITS: list[bool] = []
-
-
-def _device_nan_filter_fits() -> bool:
-    """Whether this transformers' training loop is the one :func:`nan_filtered`
-    mirrors: the running loss in ``self._tr_loss``, the filter adding
-    ``self._tr_loss / (1 + global_step - _globalstep_last_logged)``, and the
-    option read once, after ``training_step`` and before ``floating_point_ops``
-    (transformers 5). Otherwise the Trainer's host check stays."""
-    if not _FILTER_FITS:
-        source = ""
-        for name in ("_inner_training_loop", "_run_epoch"):  # the loop's body is in _run_epoch (5.x)
-            try:
-                source += inspect.getsource(getattr(_transformers.Trainer, name))
-            except (OSError, TypeError, AttributeError):
-                pass
-        expression = "self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)"
-        check, step = source.find("self.args.logging_nan_inf_filter"), source.find("self.training_step(")
-        flops = source.find("self.floating_point_ops(inputs)", max(check, 0))
-        _FILTER_FITS.append(expression in source and "self._tr_loss += tr_loss_step" in source
-                            and 0 <= step < check < flops
-                            and source.count("self.args.logging_nan_inf_filter") == 1)
-    return _FILTER_FITS[0]
-
-
-def _loop_is_transformers(cls) -> bool:
-    """Whether a PGDTrainer (sub)class runs transformers' loop with PGDTrainer's
-    training_step and floating_point_ops: a subclass that changes the loss after
-    them, or the loop itself, keeps the Trainer's host check."""
-    trainer = _transformers.Trainer
-    return (cls.training_step is PGDTrainer.training_step
-            and cls.floating_point_ops is PGDTrainer.floating_point_ops
-            and all(getattr(cls, name, None) is getattr(trainer, name, None)
-                    for name in ("_inner_training_loop", "_run_epoch")))
-
-
 try:
     import transformers as _transformers
 except ImportError:  # PGDAccelerator works without transformers; PGDTrainer says what to install
@@ -409,9 +363,9 @@ if _transformers is not None:
             which the Trainer calls next, turns it on again. Callbacks,
             evaluation and saved arguments see it as set; logged losses are the
             same, bitwise. Only where this class's loop is transformers' own
-            (:func:`_device_nan_filter_fits`)."""
-            self._pgd_nan_filter = (bool(self.args.logging_nan_inf_filter) and _device_nan_filter_fits()
-                                    and _loop_is_transformers(type(self)))
+            (``_hf_nan_filter.fits``)."""
+            self._pgd_nan_filter = (bool(self.args.logging_nan_inf_filter)
+                                    and _hf_nan_filter.fits(_transformers.Trainer, type(self), PGDTrainer))
             try:
                 return super().train(*args, **kwargs)
             finally:
@@ -426,7 +380,8 @@ if _transformers is not None:
             loss = super().training_step(model, inputs, num_items_in_batch)
             if not self._pgd_nan_filter or loss.device != self._tr_loss.device or loss.dim() != 0:
                 return loss  # the Trainer's own host check (and its device error)
-            filtered = nan_filtered(loss, self._tr_loss, 1 + self.state.global_step - self._globalstep_last_logged)
+            filtered = _hf_nan_filter.nan_filtered(loss, self._tr_loss,
+                                                   1 + self.state.global_step - self._globalstep_last_logged)
             try:
                 self.args.logging_nan_inf_filter = False  # for the host check right after this call
             except Exception:  # arguments that refuse changes: the host check stays, on the same value
