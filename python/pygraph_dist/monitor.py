@@ -28,6 +28,7 @@ already ran), so it raises.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import traceback
 import warnings
@@ -97,6 +98,21 @@ class Violation:
 
 
 _HOOK_METHODS = {"register_hook", "retain_grad", "register_post_accumulate_grad_hook"}
+
+
+def _checking_hook(name: str, args: tuple, kwargs: dict) -> bool:
+    """Lightning Fabric's hook on every output of the model call, which checks
+    that the loop backpropagates through ``fabric.backward()``
+    (``lightning/fabric/wrappers.py``: ``partial(_backward_hook, ...)``). It
+    raises or returns None -- it never changes a gradient -- so it is no change
+    of the loop: on the loss it still runs in a tier-1 step (the loss handed
+    out is the one ``fabric.backward`` reaches), on other outputs it has
+    nothing to check."""
+    hook = args[1] if len(args) > 1 else kwargs.get("hook")
+    target = getattr(hook, "func", None)
+    return (name == "register_hook" and isinstance(hook, functools.partial)
+            and getattr(target, "__name__", "") == "_backward_hook"
+            and getattr(target, "__module__", "") in ("lightning.fabric.wrappers", "lightning_fabric.wrappers"))
 
 
 def _func_name(func) -> str:
@@ -197,7 +213,7 @@ class LoopMonitor(TorchFunctionMode):
                 return func(*args, **kwargs)
             return None
         name = _func_name(func)
-        if name in _HOOK_METHODS:
+        if name in _HOOK_METHODS and not _checking_hook(name, args, kwargs):
             # A hook on a tensor of this step: tier 1 ran the backward at the model
             # call, without it; tier 2 runs the user's backward as written.
             self.loop.violation(

@@ -204,7 +204,27 @@ def fabric_pair() -> dict:
     return {"ddp": _fabric_loop("ddp"), "pgd": _fabric_loop("pgd")}
 
 
-def _fabric_loop(strategy: str, steps: int = 6, accumulate: int = 2, graphs: bool = True) -> dict:
+class _LossInModel(torch.nn.Module):
+    """The GPT returning its loss (model(x, y)), as Fabric loops that keep the loss in the module."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, x, y):
+        logits = self.gpt(x)
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+
+def fabric_pair_loss_in_model() -> dict:
+    """One micro-batch per step, the loss from the model, fabric.clip_gradients without
+    its host check: fit for tier 1 (Fabric's own fabric.backward() check hook included)."""
+    return {"ddp": _fabric_loop("ddp", accumulate=1, loss_in_model=True),
+            "pgd": _fabric_loop("pgd", accumulate=1, loss_in_model=True)}
+
+
+def _fabric_loop(strategy: str, steps: int = 6, accumulate: int = 2, graphs: bool = True,
+                 loss_in_model: bool = False) -> dict:
     import lightning as L
 
     import lightning_gpt as ex
@@ -221,6 +241,8 @@ def _fabric_loop(strategy: str, steps: int = 6, accumulate: int = 2, graphs: boo
     fabric.launch()
     fabric.seed_everything(0)
     model = ex.GPT(**{k: TINY[k] for k in ("vocab", "seq", "layers", "width", "heads")})
+    if loss_in_model:
+        model = _LossInModel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, optimizer = fabric.setup(model, optimizer)
     train, _ = ex.loaders(8, TINY["seq"], TINY["vocab"], train_batches=steps * accumulate, world=fabric.world_size)
@@ -229,11 +251,14 @@ def _fabric_loop(strategy: str, steps: int = 6, accumulate: int = 2, graphs: boo
     for i, (x, y) in enumerate(train):
         last = (i + 1) % accumulate == 0
         with fabric.no_backward_sync(model, enabled=not last):
-            logits = model(x)
-            loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+            if loss_in_model:
+                loss = model(x, y)
+            else:
+                logits = model(x)
+                loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
             fabric.backward(loss / accumulate)
         if last:
-            fabric.clip_gradients(model, optimizer, max_norm=1.0)
+            fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=not loss_in_model)
             optimizer.step()
             optimizer.zero_grad()
         losses.append(float(loss))
@@ -309,6 +334,14 @@ def test_fabric_pgd_equals_ddp_cpu(ranks):
     for r in ranks("test_integration_lightning:fabric_pair", timeout=280):
         _close(r["pgd"], r["ddp"])
         _not_tier3(r["pgd"]["loop"])
+
+
+@pytest.mark.timeout(300)
+def test_fabric_loss_in_model_conforms_cpu(ranks):
+    for r in ranks("test_integration_lightning:fabric_pair_loss_in_model", timeout=280):
+        _close(r["pgd"], r["ddp"])
+        # Fabric's hook on the model's output (its fabric.backward() check) is no change of the loop
+        assert r["pgd"]["loop"].startswith("conforms"), r["pgd"]["loop"]
 
 
 @pytest.mark.timeout(300)
@@ -411,16 +444,24 @@ def test_trainer_accumulate_1_replays_tier1_bitwise_gpu(ranks):
         assert g["params"][name] == e["params"][name], name
 
 
-def fabric_graphed_vs_eager() -> dict:
-    return {"graphed": _fabric_loop("pgd", steps=20), "eager": _fabric_loop("pgd", steps=20, graphs=False)}
+def fabric_graphed_vs_eager(loss_in_model: bool = False) -> dict:
+    kw = dict(steps=20, accumulate=1, loss_in_model=True) if loss_in_model else dict(steps=20)
+    return {"graphed": _fabric_loop("pgd", **kw), "eager": _fabric_loop("pgd", graphs=False, **kw)}
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(400)
-def test_fabric_graphs_bitwise_gpu(ranks):
-    (r,) = ranks("test_integration_lightning:fabric_graphed_vs_eager", world_size=1, timeout=380)
+@pytest.mark.parametrize("loss_in_model", [False, True])
+def test_fabric_graphs_bitwise_gpu(ranks, loss_in_model):
+    """The usual Fabric loop (tier 2), and one whose model returns the loss (tier 1,
+    Fabric's fabric.backward() check hook on the handed-out loss)."""
+    (r,) = ranks("test_integration_lightning:fabric_graphed_vs_eager", world_size=1, timeout=380,
+                 kwargs={"loss_in_model": loss_in_model})
     g, e = r["graphed"], r["eager"]
-    assert set(g["tiers"]) & {"1", "2"}, g["loop"]
+    if loss_in_model:
+        assert g["tiers"] == ["1"], g["loop"]
+    else:
+        assert set(g["tiers"]) & {"1", "2"}, g["loop"]
     assert g["replays"] >= 10, g
     assert g["losses"] == e["losses"]
     for name in g["params"]:
