@@ -60,7 +60,3 @@ def map_outputs(out, fn):
     if isinstance(out, (tuple, list)):
         return type(out)(map_outputs(v, fn) for v in out)
     return out
-
-
-# torch's optimizers that update each parameter from its own gradient and
-# state only: stepping the parameters in two calls is the same step, bitwise.

@@ -103,23 +103,18 @@ class ProbeCalls:
                 ok=not blocking, reason="; ".join(str(v) for v in blocking),
                 digests=[], group=self.group, device=self.agree_device,
             )
-            if split.agreed and self.graphs_possible:
-                if not self.loop.split_reason and self.rank == 0:
+            if split.agreed:
+                if self.graphs_possible and not self.loop.split_reason and self.rank == 0:
                     logger.info("graphed per micro-batch (tier 2: forward and backward graphs, "
                                 "your code between them, the step graph at optimizer.step()). "
                                 "One graph per iteration (tier 1) would need: %s", verdict.reason)
                 self.loop.split_reason = verdict.reason
                 if entry.policy.phase != Phase.PROBE:
                     self.loop.probe_done = True
-                return
-            if split.agreed:
-                # A tier-2 loop where no graph can run (a CPU build, graphs=False): the
-                # report says what the loop fits and why not tier 1 ("fits tier 2"), not
-                # "not graphable"; it trains eagerly for graphs_reason, as a conforming one.
-                self.loop.split_reason = verdict.reason
-                if entry.policy.phase != Phase.PROBE:
-                    self.loop.probe_done = True
-                    entry.policy.disable(self.graphs_reason)
+                    # Where no graph can run (a CPU build, graphs=False) the report still says
+                    # what the loop fits ("fits tier 2"); it trains eagerly, as a conforming one.
+                    if self.graphs_reason:
+                        entry.policy.disable(self.graphs_reason)
                 return
             self.loop.split_reason = ""
             if not split.agreed:

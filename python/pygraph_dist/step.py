@@ -388,6 +388,8 @@ class IterationStep:
                 collectives.broadcast(t.data, group_src=0, group=self.group)
 
 
+# torch's optimizers that update each parameter from its own gradient and
+# state only: stepping the parameters in two calls is the same step, bitwise.
 PER_PARAMETER_OPTIMIZERS = frozenset(
     getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop",
                                       "Adagrad", "Adadelta", "Rprop") if hasattr(torch.optim, n))

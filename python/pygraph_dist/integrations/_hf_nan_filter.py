@@ -18,9 +18,9 @@ def nan_filtered(loss: torch.Tensor, tr_loss: torch.Tensor, steps: int) -> torch
     ``tr_loss / steps`` (the average of the losses since the last log), the
     Trainer's own expression. ``tr_loss += nan_filtered(...)`` is then the
     Trainer's ``if isnan or isinf: tr_loss += tr_loss / steps else: tr_loss +=
-    loss``, without reading the loss on the host."""
-    if loss.device != tr_loss.device or loss.dim() != 0:
-        return loss  # left to the Trainer's own checks (its device error), as without the filter
+    loss``, without reading the loss on the host. ``loss``: 0-dim, on
+    ``tr_loss``'s device (``PGDTrainer.training_step`` leaves other losses to
+    the Trainer's own check)."""
     return torch.where(torch.isfinite(loss), loss, tr_loss / steps)
 
 
