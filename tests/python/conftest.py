@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import shutil
 import socket
 import subprocess
@@ -132,6 +133,10 @@ def run_ranks(
             timed_out = True
             break
     if timed_out:
+        for p, _ in procs:  # rank_main dumps every thread's stack on SIGUSR1: where each waited
+            if p.poll() is None:
+                p.send_signal(signal.SIGUSR1)
+        time.sleep(2)
         for p, _ in procs:
             p.kill()
         for p, _ in procs:

@@ -10,10 +10,12 @@ process group is shut down the way a user's script would.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import inspect
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -28,6 +30,9 @@ def _value(text: str):
 
 
 def main(argv: list[str]) -> None:
+    # run_ranks sends SIGUSR1 before it kills a rank that ran past its timeout:
+    # every thread's stack goes to the rank's log, to show where it waited.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     target, rest = argv[0], argv[1:]
     if len(rest) % 2:
         raise SystemExit(f"rank_main: arguments come in --name value pairs, got {rest}")

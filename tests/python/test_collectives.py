@@ -90,6 +90,6 @@ def test_collectives_match_torch_over_stock_gloo(ranks, world):
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.multigpu)])
 def test_collectives_match_torch_over_stock_nccl(ranks, world):
-    for r in ranks("test_collectives:same_as_torch", world_size=world, timeout=300,
+    for r in ranks("test_collectives:same_as_torch", world_size=world, timeout=150,
                    kwargs={"backend": "nccl", "capture": 1}):
         assert "captured_replays" in r["checks"] and all(r["checks"].values()), r["checks"]
