@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -55,12 +56,31 @@ def _internal(filename: str) -> bool:
     return path.startswith(_PKG_DIR) or path.startswith(_TORCH_DIR)
 
 
+# Packages that run the user's loop for them: a line of theirs is named with the
+# user's own line that led there (Fabric's precision plugin calls backward()).
+_FRAMEWORKS = {"lightning", "lightning_fabric", "pytorch_lightning", "transformers", "accelerate"}
+
+
 def user_location() -> str:
-    """``file:line`` of the innermost frame outside torch and pygraph_dist."""
-    for frame in reversed(traceback.extract_stack()[:-1]):
-        if not _internal(frame.filename):
-            return f"{os.path.relpath(os.path.abspath(frame.filename))}:{frame.lineno}"
-    return "<unknown>"
+    """``file:line`` of the innermost frame outside torch and pygraph_dist. A
+    frame of a training framework is named from its package down
+    (``lightning/fabric/...py:107``), followed by the innermost frame outside
+    the frameworks too: ``... (from train.py:55)``."""
+    frame = sys._getframe(1)
+    inner = ""
+    while frame is not None:
+        filename, line = frame.f_code.co_filename, frame.f_lineno
+        if not _internal(filename):
+            top = str(frame.f_globals.get("__name__", "")).split(".")[0]
+            if top not in _FRAMEWORKS:
+                here = f"{os.path.relpath(os.path.abspath(filename))}:{line}"
+                return f"{inner} (from {here})" if inner else here
+            if not inner:
+                parts = os.path.abspath(filename).split(os.sep)
+                cut = max((i for i, part in enumerate(parts) if part == top), default=len(parts) - 1)
+                inner = f"{'/'.join(parts[cut:])}:{line}"
+        frame = frame.f_back
+    return inner or "<unknown>"
 
 
 _WRAPPER_NAMES = {"wrapper", "decorate_context", "inner", "wrapped", "fn"}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -334,6 +335,10 @@ def test_fabric_pgd_equals_ddp_cpu(ranks):
     for r in ranks("test_integration_lightning:fabric_pair", timeout=280):
         _close(r["pgd"], r["ddp"])
         _not_tier3(r["pgd"]["loop"])
+        # The line inside Fabric named with the loop's own.
+        loop = r["pgd"]["loop"]
+        assert re.search(r"at lightning(_fabric)?/[\w/]+\.py:\d+ \(from tests/python/test_integration_lightning\.py:\d+\)",
+                         loop), loop
 
 
 @pytest.mark.timeout(300)

@@ -10,6 +10,7 @@ eager signature); the rank tests run real loops (CPU: 2 Gloo ranks; GPU: tier
 
 from __future__ import annotations
 
+import sys
 import contextlib
 import importlib
 import json
@@ -485,3 +486,22 @@ def test_stock_backend_is_said_at_wrap_and_in_the_report(ranks, world):
         assert r["dict"]["models"][0]["stock_backend"] is True
     assert "collective fingerprints are off" in results[0]["stock_warnings"][0]
 
+
+
+def test_a_line_inside_a_framework_is_named_with_the_loops_own(tmp_path):
+    """A violation inside Fabric's, Accelerate's or the Trainer's code (their
+    backward() call) is located there, from the package down, and at the
+    innermost line outside the frameworks that led there."""
+    import os
+
+    from pygraph_dist.monitor import user_location
+
+    src = tmp_path / "site-packages" / "accelerate" / "loop.py"
+    src.parent.mkdir(parents=True)
+    src.write_text("def backward(fn):\n    return fn()\n")
+    space = {"__name__": "accelerate.loop"}
+    exec(compile(src.read_text(), str(src), "exec"), space)  # noqa: S102 - a module of a fake framework
+    line = sys._getframe().f_lineno + 1
+    where = space["backward"](user_location)
+    assert where == f"accelerate/loop.py:2 (from {os.path.relpath(__file__)}:{line})", where
+    assert user_location().startswith(os.path.relpath(__file__) + ":")  # the loop's own line alone
