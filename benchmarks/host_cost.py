@@ -17,7 +17,9 @@ Modes (the user's loop; each row is (mode, layers)):
   pgd_tier1     pygraph_dist.wrap(module returning the loss); loss = model(x, y)
   pgd_tier2     pygraph_dist.wrap(bare net); loss = F.cross_entropy(model(x), y)
   pgd_clip      pgd_tier2 + torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                between backward and step
+                between backward and step (tier 2: the clip a graph of its own,
+                replayed at the call; split_clip.py). The table's footer says
+                what the loop's own list(model.parameters()) costs of it
   pgd_clip_in   pgd_tier1 + the same clip_grad_norm_ between backward and step
                 (tier 1: the clip moves into the step graph)
   pgd_accum4    pgd_tier2 over 4 micro-batches of 2 rows, the first 3 inside
@@ -122,6 +124,7 @@ PHASES = {
     "accumulation": "LearnedAccumulation bookkeeping and its .grad read guard",
     "step routing": "Engine.optimizer_step's own code (tier 2: drift check and step graph routing)",
     "zero_grad routing": "Engine.optimizer_zero_grad's own code",
+    "clip graph": "SplitClip.call: tier 2's clip_grad_norm_ checked, its graph launched, its norm copied",
     "torch zero_grad": "torch's Optimizer.zero_grad, where the loop runs it (tier 2)",
     "outside spans": "spans-on host time minus the phases: the loop itself, nn.Module.__call__, torch ops, autograd",
 }
@@ -414,6 +417,8 @@ def run_all(args, modes: list[str], spans=None) -> list[dict]:
                 mode.setup()
                 row["params"] = mode.n_params
                 row.update(measure(mode, args.steps, args.warmup, spans))
+                if name in ("pgd_clip", "pgd_clip_in"):  # the clip modes' own model.parameters()
+                    row["parameters_us"] = parameters_us(mode.model)
                 if args.kernels and dev.type == "cuda":
                     row.update(gpu_ops(mode))
                 row.update(mode.info)
@@ -430,6 +435,16 @@ def run_all(args, modes: list[str], spans=None) -> list[dict]:
                 f"wall {row['wall_ms']:.3f} ms  host {row['host_us']:.1f} us" if row["status"] == "ok"
                 else row["reason"]), file=sys.stderr, flush=True)
     return rows
+
+
+def parameters_us(model, n: int = 200) -> float:
+    """Host us of ``list(model.parameters())``: the generator the clip modes'
+    loop builds every step (its clip_grad_norm_(model.parameters(), ...)),
+    paid by that loop under DDP or eager alike."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        list(model.parameters())
+    return (time.perf_counter() - t0) / n * 1e6
 
 
 # ============================================================ output
@@ -466,6 +481,10 @@ def table(rows: list[dict], env: dict) -> str:
                      f"{str(r.get('tier', '')):>4} "
                      f"{str(r.get('phase', '')):<7} {fmt(r.get('gpu_ops'), '>8.0f'):>8} "
                      f"{fmt(r.get('gpu_ops_us'), '>8.1f'):>8}")
+    own = [r for r in rows if r.get("parameters_us") is not None]
+    if own:
+        lines.append("of the clip modes' host us, their loop's own list(model.parameters()) (paid with DDP too): "
+                     + ", ".join(f"{r['mode']}/{r['params']} {r['parameters_us']:.0f} us" for r in own))
     broken = [r for r in rows if r.get("phases_us")]
     if broken:
         lines += ["", "host us per step by phase (exclusive; spans on, second process):"]

@@ -27,7 +27,9 @@ graphed per micro-batch (tier 2), its clipping eager between the graphs --
   would: the total norm before clipping, computed by the step that already
   ran. A different ``max_norm``, parameter list or norm then is a changed
   loop (:class:`~pygraph_dist.conformance.LoopConformanceError`, with the fix).
-* Where the loop runs as written (tier 2, eager, evaluation), torch's runs.
+* Where the loop runs as written (eager, evaluation), torch's runs. In a
+  tier-2 step the same call is captured as a graph of its own and replayed
+  (:mod:`~pygraph_dist.split_clip`).
 
 ``from torch.nn.utils import clip_grad_norm_`` executed before ``wrap()`` binds
 torch's function to a name of the script's own (or of a helper module it
@@ -71,7 +73,8 @@ class ClipPlan:
     foreach: bool | None = None
 
     def same_call(self, params: list, max_norm, norm_type, error_if_nonfinite, foreach) -> bool:
-        return (float(max_norm) == self.max_norm and float(norm_type) == 2.0 and not error_if_nonfinite
+        numbers = isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)  # a tensor divides otherwise
+        return (numbers and float(max_norm) == self.max_norm and float(norm_type) == 2.0 and not error_if_nonfinite
                 and foreach == self.foreach and self.params is not None
                 and len(params) == len(self.params) and all(map(operator.is_, params, self.params)))
 
@@ -249,6 +252,10 @@ def route(engine, params: list, max_norm, norm_type, error_if_nonfinite, foreach
         with loop.unwatched():  # judged here, not by its writes to the gradients
             return ORIGINAL(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite,
                             foreach=foreach)
+    if engine._split_step is not None:  # noqa: SLF001 - tier 2: this step's model calls replayed graphs
+        norm = engine.split_clip.call(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        if norm is not None:  # split_clip.py: the same call as a graph of its own
+            return norm
     return ORIGINAL(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
 
 

@@ -23,6 +23,7 @@ branch of :meth:`Engine.run`:
 
 Module map: :mod:`wiring` (the parts, built at ``wrap()``), :mod:`probe` (the
 loop as written and the probe's verdict), :mod:`split_calls` (tier 2's calls),
+:mod:`split_clip` (tier 2's clip as a graph),
 :mod:`engine_state` (report, teardown, checkpoint loads), :mod:`config`
 (wrap()'s arguments), :mod:`step` (what an iteration does), :mod:`capture`
 (warm-up → capture → agree → replay → select), :mod:`graph_cache`

@@ -52,8 +52,9 @@ class EngineState:
             loop = f"not graphable: {self.loop.verdict}"
         elif self.loop.probe_done and self.loop.split_reason:
             # What the check found; what ran is the signatures' (report.summarize).
-            loop = (f"fits tier 2 (graphs per micro-batch, your code between them); not tier 1 "
-                    f"because: {self.loop.split_reason}")
+            clip = self.split_clip.describe()
+            loop = (f"fits tier 2 (graphs per micro-batch, your code between them{'; ' + clip if clip else ''}); "
+                    f"not tier 1 because: {self.loop.split_reason}")
         elif self.loop.probe_done:
             loop = f"conforms (checked over {self.config.probe} probe iterations)"
             if self.step.routed_clip is not None and self.graphs_possible:
@@ -94,6 +95,7 @@ class EngineState:
         self.closed = True
         self.watchdog.close()
         self.loop.stop()
+        self.split_clip.release()
         if self.cache.release_all(TORN_DOWN) and torch.cuda.is_available():
             torch.cuda.synchronize(self.device)
         if self._release_stream is not None:

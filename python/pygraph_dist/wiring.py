@@ -40,6 +40,7 @@ from .graph_cache import GraphCache
 from .optim import make_graph_aware, prepare_optimizer
 from .reducer import GradientReducer
 from .split import SplitGraphs
+from .split_clip import SplitClip
 from .step import IterationStep, release_side_stream
 from .watchdog import ReplayWatchdog
 
@@ -153,6 +154,7 @@ class EngineWiring:
                                 and os.environ.get("PYGRAPH_DIST_FAST_CASTS", "1") != "0"
                                 and kernels.widening_ready(self.device))
         self.split = SplitGraphs(self.runner, self.loop.backward_finished)
+        self.split_clip = SplitClip(self)  # tier 2: the loop's clip_grad_norm_ as a graph
         self.accum = LearnedAccumulation(self, enabled=config.learn_accumulation)
         self.evals = EvalGraphs(self)
         # fast_lane.py: zero_grad in one C++ call.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -138,7 +139,7 @@ def train(model, opt, loop, steps, rank, dev, *, scheduler=None, scaler=None, au
             with amp:
                 if loop in ("readme", "readme_clip"):
                     loss = model(x, y)
-                elif loop in ("outside", "outside_acc", "clip", "scaler", "dropout"):
+                elif loop in ("outside", "outside_acc", "clip", "clip_varies", "scaler", "dropout"):
                     out = model(x)
                     loss = F.cross_entropy(out, y)
                 elif loop == "regularizer":
@@ -167,13 +168,15 @@ def train(model, opt, loop, steps, rank, dev, *, scheduler=None, scaler=None, au
             else:
                 loss.backward()
                 norm = None
-                if loop in ("clip", "readme_clip"):
-                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                if loop in ("clip", "readme_clip", "clip_varies"):
+                    # clip_varies: every 7th step another max_norm (tier 2: that call eager)
+                    c = 0.25 if loop == "clip_varies" and step % 7 == 6 else 0.5
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c)
                 opt.step()
             if loop in ("outside_acc", "dict", "hf"):
                 logits = out if loop == "outside_acc" else (out["logits"] if loop == "dict" else out.logits)
                 log.append((float(loss), float((logits.argmax(-1) == y).float().mean())))
-            elif loop == "readme_clip":  # the norm clip_grad_norm_ returned, as scripts log it
+            elif loop in ("readme_clip", "clip", "clip_varies"):  # the norm clip_grad_norm_ returned, as scripts log it
                 log.append((float(loss), float(norm)))
             else:
                 log.append(float(loss))
@@ -306,6 +309,35 @@ def test_the_users_clip_moves_into_the_step_graph(ranks):
     assert max(norms) > 0.5, norms  # the clip changed gradients
     assert norms == pytest.approx([x[1] for x in g["ref_log"]], rel=1e-4)
     assert g["max_param_diff"] < 1e-4, g["max_param_diff"]
+
+
+def clip_pair_tier2(loop="clip", steps=30):
+    """Rank body: the loss outside the model and clip_grad_norm_ between backward
+    and step (tier 2), graphed and with graphs=False, each against DDP."""
+    kw = {"loop": loop, "optimizer": "sgd", "steps": steps}
+    return {"graphed": loop_vs_ddp(**kw, graphs=1), "eager": loop_vs_ddp(**kw, graphs=0)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loop", ["clip", "clip_varies"])
+def test_the_users_clip_is_a_graph_of_its_own_in_tier_2(ranks, loop):
+    """Tier 2 (the loss outside the model): the same clip_grad_norm_ captured once
+    as a graph of its own and replayed at the call (split_clip.py), bitwise
+    equal to graphs=False -- the parameters and every norm the call returned.
+    clip_varies: a call with another max_norm runs torch's, eagerly."""
+    (r,) = ranks("test_loops:clip_pair_tier2", world_size=1, timeout=300, kwargs={"loop": loop})
+    g, e = r["graphed"], r["eager"]
+    assert g["tiers"][:1] == ["2"] and g["replays"] > 20, g["report"]
+    m = re.search(r"your clip_grad_norm_\(max_norm=0.5\) a graph of its own \((\d+) replays(, (\d+) calls eager)?\)",
+                  g["loop_verdict"])
+    assert m and int(m.group(1)) > 15, g["loop_verdict"]
+    if loop == "clip_varies":
+        assert m.group(3) and int(m.group(3)) >= 3, g["loop_verdict"]
+    assert g["params"] == e["params"], g["report"]
+    assert g["log"] == e["log"], (g["log"][:4], e["log"][:4])
+    norms = [x[1] for x in g["log"]]
+    assert max(norms) > 0.5, norms  # the clip changed gradients
+    assert norms == pytest.approx([x[1] for x in g["ref_log"]], rel=1e-4)
 
 
 def all_loops(amp="fp32", steps=30):
