@@ -77,6 +77,12 @@ def same_as_torch(backend: str = "gloo", capture: int = 0) -> dict:
         torch.cuda.synchronize()
         total = world * (world + 1) / 2
         checks["captured_replays"] = bool((y == total * world).all())  # sum, then the sum of sums
+        # The graph holds NCCL's reference to the communicator: destroying the group
+        # while it lives blocked both ranks in destroy_process_group() at world size 2
+        # (2xH100, NCCL 2.28.9; stacks from run_ranks' SIGUSR1 dump). The engine
+        # releases its graphs first (lifetime.py); a hand-made graph must too.
+        del graph
+        torch.cuda.synchronize()
     dist.destroy_process_group()
     return {"checks": checks}
 
