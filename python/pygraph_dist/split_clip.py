@@ -26,9 +26,12 @@ agree. A call runs torch's function instead (nothing else changes) when:
 * it is not the captured call (other ``max_norm``, parameters or order,
   ``foreach``), or :func:`~pygraph_dist.clip_route.routable` refuses it
   (``error_if_nonfinite=True``, another norm, part of the parameters...);
-* a gradient is not its bucket view (the loop replaced one), a parameter's
-  ``requires_grad`` changed since the capture, or accumulated micro-batches
-  still wait for their all-reduce (learned accumulation, ``accumulation.py``);
+* a gradient is not its bucket view (the loop replaced one), a frozen
+  parameter passed has a ``.grad``, accumulated micro-batches still wait for
+  their all-reduce (learned accumulation, ``accumulation.py``), or a
+  torch-function or dispatch mode is active;
+* ``requires_grad``, a parameter's storage or autocast changed since the
+  capture: the call is captured again (at most 8 times, then torch's for good);
 * the extension that checks the gradients in one C++ pass is missing, the
   capture failed (said once in the log and in ``report()``), or
   ``PYGRAPH_DIST_CLIP_GRAPH=0`` is set (for A/B measurements).
@@ -42,6 +45,7 @@ import os
 import torch
 
 from . import clip_route
+from .graph_cache import discard
 from .spans import timed
 
 logger = logging.getLogger("pygraph_dist")
@@ -49,6 +53,8 @@ logger = logging.getLogger("pygraph_dist")
 
 class SplitClip:
     """One wrapped model's clip graph (``Engine.split_clip``)."""
+
+    MAX_RECAPTURES = 8
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -58,10 +64,13 @@ class SplitClip:
         self.state = None  # reducer.param_state() at capture: requires_grad unchanged
         self.replays = 0
         self.eager_calls = 0
-        self.failed = ""  # why the capture failed (then every call runs torch's)
+        self.failed = ""  # why there is no graph for good (then every call runs torch's)
         self._refused: tuple | None = None  # the last call routable() refused, and why
         self.refused_why = ""
         self.off = os.environ.get("PYGRAPH_DIST_CLIP_GRAPH", "1") == "0"  # A/B (benchmarks)
+        self.ambient = None  # engine._ambient() at capture (autocast)
+        self.recaptures = 0
+        self.frozen: tuple = ()  # parameters passed that did not require grad at capture
 
     @timed("clip graph")
     def call(self, params: list, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tensor | None:
@@ -78,16 +87,31 @@ class SplitClip:
         accum = engine.accum
         if not accum.decided or accum.pending or reducer.watch.not_views():
             return self._eager()
-        if self.graph is None:
-            if not all(p.requires_grad for p in params):  # a frozen one: its .grad is not a view
-                self._refused = self._key(params, max_norm, norm_type, error_if_nonfinite, foreach)
-                self.refused_why = "a parameter passed is frozen"
+        # What the graph bakes in besides the gradients: autocast (a half-precision
+        # norm runs in fp32 under it), and any torch-function or dispatch mode
+        # (a user's, or one of ours) that would see or change torch's ops.
+        ambient = engine._ambient()  # noqa: SLF001
+        if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():  # noqa: SLF001
+            return self._eager()
+        if self.graph is not None and (ambient != self.ambient or reducer.param_state() != self.state):
+            # requires_grad (or a parameter's storage) changed since the capture, or autocast
+            # differs: capture again, a few times at most.
+            self._drop()
+            if self.recaptures >= self.MAX_RECAPTURES:
+                self.failed = (f"captured {self.recaptures + 1} times; requires_grad, a parameter's storage "
+                               "or autocast keeps changing")
                 return self._eager()
-            self._capture(params, float(max_norm), foreach)
+            self.recaptures += 1
+        # Frozen parameters passed (fine-tuning): torch's clip skips them while their
+        # .grad is None, and so does the graph captured then.
+        frozen = self.frozen if self.graph is not None else [p for p in params if not p.requires_grad]
+        if any(p.grad is not None for p in frozen):
+            return self._eager()
+        if self.graph is None:
+            self.frozen = tuple(frozen)
+            self._capture(params, float(max_norm), foreach, ambient)
             if self.graph is None:
                 return self._eager()
-        elif reducer.param_state() != self.state:
-            return self._eager()
         engine.watchdog.replay([self.graph], "clip_grad_norm_ graph")
         self.replays += 1
         return self.norm.clone()
@@ -112,9 +136,11 @@ class SplitClip:
         return (len(params), id(params[0]) if params else 0, repr(max_norm), repr(norm_type),
                 bool(error_if_nonfinite), foreach)
 
-    def _capture(self, params: list, max_norm: float, foreach) -> None:
+    def _capture(self, params: list, max_norm: float, foreach, ambient) -> None:
         engine = self.engine
         graph = torch.cuda.CUDAGraph()
+        generator = torch.cuda.default_generators[engine.device.index or 0]
+        rng_snapshot = generator.clone_state()
         try:
             # A pool of its own: the graph lives as long as the model, whatever
             # the tier-2 entries' graphs (and their pool) do.
@@ -122,12 +148,18 @@ class SplitClip:
                 norm = clip_route.ORIGINAL(params, max_norm, 2.0, error_if_nonfinite=False, foreach=foreach)
         except Exception as exc:  # noqa: BLE001 - the clip stays torch's, eager
             self.failed = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            # As capture.py after a failed capture: the generator out of capture
+            # mode (the next eager dropout would fail), the graph's memory freed.
+            # The gradients hold this step's values: the caller clips them eagerly.
+            generator.graphsafe_set_state(rng_snapshot)
+            discard(graph)
+            torch.cuda.synchronize(engine.device)
             if engine.rank == 0:
                 logger.warning("clip_grad_norm_ could not be captured as a graph (%s); it runs eagerly "
                                "between the graphs, as written.", self.failed)
             return
         self.plan = clip_route.ClipPlan(max_norm, tuple(params), foreach)
-        self.graph, self.norm = graph, norm
+        self.graph, self.norm, self.ambient = graph, norm, ambient
         self.state = engine.reducer.param_state()
         if engine.rank == 0:
             logger.info("tier 2: clip_grad_norm_(max_norm=%g) captured as a graph of its own", max_norm)
@@ -137,12 +169,17 @@ class SplitClip:
         if self.off and self.eager_calls:
             return "your clip_grad_norm_ eager between the graphs (PYGRAPH_DIST_CLIP_GRAPH=0)"
         if self.failed:
-            return f"your clip_grad_norm_ eager between the graphs (its capture failed: {self.failed})"
-        if self.graph is not None:
+            return f"your clip_grad_norm_ eager between the graphs (no graph: {self.failed})"
+        if self.plan is not None:  # captured (released at teardown: the counts stay)
             eager = f", {self.eager_calls} calls eager" if self.eager_calls else ""
             return (f"your clip_grad_norm_(max_norm={self.plan.max_norm:g}) a graph of its own "
                     f"({self.replays} replays{eager})")
         return ""  # never clipped in tier 2, or refused: the probe's reason (split_reason) says why
 
-    def release(self) -> None:
+    def _drop(self) -> None:
+        discard(self.graph)
         self.graph = self.norm = None
+
+    def release(self) -> None:
+        """Teardown: the graph and its pool go; the plan and counts stay for report()."""
+        self._drop()

@@ -336,7 +336,7 @@ def test_the_users_clip_is_a_graph_of_its_own_in_tier_2(ranks, loop):
     assert g["params"] == e["params"], g["report"]
     assert g["log"] == e["log"], (g["log"][:4], e["log"][:4])
     norms = [x[1] for x in g["log"]]
-    assert max(norms) > 0.5, norms  # the clip changed gradients
+    assert max(norms[5:]) > 0.5, norms  # the clip changed gradients in replayed steps (5: probe, warm-up)
     assert norms == pytest.approx([x[1] for x in g["ref_log"]], rel=1e-4)
 
 
