@@ -35,7 +35,7 @@ import torch.utils._pytree as pytree
 
 from . import agreement, kernels
 from ._ext import C
-from .capture_guard import _bucket_error, capture_into, describe_capture_error
+from .capture_guard import _bucket_error, capture_into, describe_capture_error, end_failed_capture
 from .graph_cache import GraphCache, GraphEntry, discard
 from .param_groups import group_versions, snapshot_hyperparams
 from .reducer import GradientReducer
@@ -246,18 +246,13 @@ class GraphRunner:
                      str(self.reducer.comm_dtype), clip.max_norm if clip is not None else None))
 
     def _restore_after_failed_capture(self, generator, rng_snapshot) -> None:
-        """Undo what a failed capture leaves behind. A capture that dies before
-        ``capture_end`` leaves the CUDA generator in capture mode, and the next
-        eager dropout fails with 'Offset increment outside graph capture
-        encountered unexpectedly': give the generator its pre-capture state back."""
-        generator.graphsafe_set_state(rng_snapshot)
+        """Undo what a failed iteration capture leaves behind: the generator and
+        capture stream (:func:`~pygraph_dist.capture_guard.end_failed_capture`),
+        and the iteration's gradients and scaler round, which the eager rerun
+        computes again."""
         self.step.clear_grads()
         self.step.reset_grad_scaler_round()
-        with torch.cuda.stream(self.step.stream):
-            if C.current_stream_is_capturing():
-                raise RuntimeError("pygraph_dist: the capture stream is still capturing after a "
-                                   "failed capture; cannot continue safely")
-        torch.cuda.synchronize(self.device)
+        end_failed_capture(generator, rng_snapshot, self.step.stream, self.device)
 
     # ------------------------------------------------------------ replay
     def launch(self, entry: GraphEntry, label: str = "") -> None:

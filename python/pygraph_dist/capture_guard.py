@@ -27,7 +27,7 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._ext import NOT_CAPTURABLE_TAG
+from ._ext import C, NOT_CAPTURABLE_TAG
 
 
 class BucketCaptureError(RuntimeError):
@@ -122,6 +122,21 @@ def capture_into(graph, *, pool, stream, watch_generators: bool = False):
     finally:
         for module, name, original in saved:
             setattr(module, name, original)
+
+
+def end_failed_capture(generator, rng_snapshot, stream, device) -> None:
+    """Undo what a failed :func:`capture_into` leaves behind. A capture that dies
+    before ``capture_end`` leaves the CUDA generator in capture mode, and the
+    next eager dropout fails with 'Offset increment outside graph capture
+    encountered unexpectedly': give the generator its pre-capture state back
+    (``rng_snapshot``, ``generator.clone_state()`` taken before), check that
+    ``stream`` (the capture stream) stopped capturing, and synchronise."""
+    generator.graphsafe_set_state(rng_snapshot)
+    with torch.cuda.stream(stream):
+        if C.current_stream_is_capturing():
+            raise RuntimeError("pygraph_dist: the capture stream is still capturing after a "
+                               "failed capture; cannot continue safely")
+    torch.cuda.synchronize(device)
 
 
 def describe_capture_error(error: BaseException | None) -> tuple[str, bool]:

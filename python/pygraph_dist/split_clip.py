@@ -45,6 +45,7 @@ import os
 import torch
 
 from . import clip_route
+from .capture_guard import end_failed_capture
 from .graph_cache import discard
 from .spans import timed
 
@@ -65,8 +66,7 @@ class SplitClip:
         self.replays = 0
         self.eager_calls = 0
         self.failed = ""  # why there is no graph for good (then every call runs torch's)
-        self._refused: tuple | None = None  # the last call routable() refused, and why
-        self.refused_why = ""
+        self._refused: tuple | None = None  # the last call routable() refused
         self.off = os.environ.get("PYGRAPH_DIST_CLIP_GRAPH", "1") == "0"  # A/B (benchmarks)
         self.ambient = None  # engine._ambient() at capture (autocast)
         self.recaptures = 0
@@ -125,8 +125,8 @@ class SplitClip:
         if self._refused is not None and self._refused == key:
             return False
         why = clip_route.routable(self.engine, params, max_norm, norm_type, error_if_nonfinite, foreach)
-        if why:
-            self._refused, self.refused_why = key, why
+        if why:  # the probe's reason (split_reason) says why, in report()
+            self._refused = key
             return False
         return True
 
@@ -148,12 +148,11 @@ class SplitClip:
                 norm = clip_route.ORIGINAL(params, max_norm, 2.0, error_if_nonfinite=False, foreach=foreach)
         except Exception as exc:  # noqa: BLE001 - the clip stays torch's, eager
             self.failed = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-            # As capture.py after a failed capture: the generator out of capture
-            # mode (the next eager dropout would fail), the graph's memory freed.
-            # The gradients hold this step's values: the caller clips them eagerly.
-            generator.graphsafe_set_state(rng_snapshot)
+            # The generator out of capture mode (the next eager dropout would fail), the
+            # graph's memory freed. Unlike an iteration's failed capture the gradients
+            # stay: they hold this step's values, which the caller clips eagerly.
             discard(graph)
-            torch.cuda.synchronize(engine.device)
+            end_failed_capture(generator, rng_snapshot, engine.step.stream, engine.device)
             if engine.rank == 0:
                 logger.warning("clip_grad_norm_ could not be captured as a graph (%s); it runs eagerly "
                                "between the graphs, as written.", self.failed)
