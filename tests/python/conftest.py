@@ -101,6 +101,9 @@ def run_ranks(
     test fails with their output. Returns each rank's JSON result (or, with
     ``expect_success=False``, dicts with returncode and output).
     """
+    cap = os.environ.get("PGD_TEST_RANK_TIMEOUT")  # a shorter limit, to read a hang's stacks sooner
+    if cap:
+        timeout = min(timeout, float(cap))
     port = free_port()
     out_dir = tmp_path / f"{case.replace(':', '.')}-{port}"
     if ":" not in case:
