@@ -82,6 +82,9 @@ class RankFailure(AssertionError):
     pass
 
 
+PEER_GRACE_S = 15.0  # how long the other ranks get once one rank failed
+
+
 def run_ranks(
     case: str,
     tmp_path: Path,
@@ -128,13 +131,16 @@ def run_ranks(
         ), log))
     deadline = time.monotonic() + timeout
     timed_out = False
-    for p, _ in procs:
-        remaining = deadline - time.monotonic()
-        try:
-            p.wait(timeout=max(0.1, remaining))
-        except subprocess.TimeoutExpired:
+    # A rank that died leaves its peers blocked in a collective: give them a grace
+    # period to fail on their own, then dump their stacks and stop them.
+    while [p.poll() for p, _ in procs].count(None):  # every rank polled, no short cut
+        if time.monotonic() > deadline:
             timed_out = True
             break
+        if expect_success and any(p.returncode not in (None, 0) for p, _ in procs):
+            deadline = min(deadline, time.monotonic() + PEER_GRACE_S)
+        time.sleep(0.1)
+    died = [r for r, (p, _) in enumerate(procs) if p.returncode not in (None, 0)]
     if timed_out:
         for p, _ in procs:  # rank_main dumps every thread's stack on SIGUSR1: where each waited
             if p.poll() is None:
@@ -147,6 +153,9 @@ def run_ranks(
     for _, log in procs:
         log.close()
     logs = [(out_dir / f"rank{r}.log").read_text() for r in range(world_size)]
+    if timed_out and died:
+        raise RankFailure(f"{case}: rank(s) {died} failed and the others were stopped "
+                          f"{PEER_GRACE_S:.0f} s later\n" + _fmt(logs))
     if timed_out:
         raise RankFailure(f"{case}: ranks did not finish within {timeout} s\n" + _fmt(logs))
     if not expect_success:

@@ -236,3 +236,27 @@ def test_torchrun_style_two_ranks(tmp_path):
     results = run_ranks("test_launch_env:init_only", tmp_path, timeout=60)
     assert [r["sum"] for r in results] == [3.0, 3.0]
     assert {r["launcher"] for r in results} == {"env"}
+
+
+def one_rank_dies(wait_s=300):
+    """Rank 1 fails at once; rank 0 waits as a rank blocked in a collective would."""
+    if int(os.environ["RANK"]) == 1:
+        raise RuntimeError("test: rank 1 fails")
+    time.sleep(wait_s)
+    return {}
+
+
+def test_a_failed_rank_stops_its_peers_soon_with_their_stacks(tmp_path):
+    """The test harness itself: one rank's failure does not leave the test waiting
+    for the whole timeout behind a peer blocked on it, and the peer's stack is shown."""
+    from conftest import PEER_GRACE_S, RankFailure
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks("test_launch_env:one_rank_dies", tmp_path, timeout=300)
+    elapsed = time.monotonic() - t0
+    assert elapsed < PEER_GRACE_S + 30, elapsed
+    text = str(info.value)
+    assert "rank(s) [1] failed and the others were stopped" in text
+    assert "test: rank 1 fails" in text
+    assert "one_rank_dies" in text.split("----- rank 1 -----")[0]  # rank 0's stack: where it waited

@@ -256,10 +256,10 @@ def gpu_bucket_capture_failure(steps=50):
         if fail_bucket is not None and rank == 1:
             original = reducer._all_reduce
 
-            def refusing(b):
+            def refusing(b, **kw):
                 if b == fail_bucket and torch.cuda.is_current_stream_capturing():
                     raise RuntimeError("test: this collective is refused during capture")
-                return original(b)
+                return original(b, **kw)
 
             reducer._all_reduce = refusing
         losses = train(model, opt, steps, rank, dev=dev)
