@@ -19,7 +19,9 @@ Modes (the user's loop; each row is (mode, layers)):
   pgd_clip      pgd_tier2 + torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 between backward and step (tier 2: the clip a graph of its own,
                 replayed at the call; split_clip.py). The table's footer says
-                what the loop's own list(model.parameters()) costs of it
+                what the loop's model.parameters() costs where it is walked
+                (eager, DDP): the router reads a wrapped model's cached tuple
+                instead (clip_route.parameters_of)
   pgd_clip_in   pgd_tier1 + the same clip_grad_norm_ between backward and step
                 (tier 1: the clip moves into the step graph)
   pgd_accum4    pgd_tier2 over 4 micro-batches of 2 rows, the first 3 inside
@@ -483,7 +485,8 @@ def table(rows: list[dict], env: dict) -> str:
                      f"{fmt(r.get('gpu_ops_us'), '>8.1f'):>8}")
     own = [r for r in rows if r.get("parameters_us") is not None]
     if own:
-        lines.append("of the clip modes' host us, their loop's own list(model.parameters()) (paid with DDP too): "
+        lines.append("the clip modes' model.parameters() walked, as eager and DDP pay it every step "
+                     "(pygraph_dist reads its cached tuple instead): "
                      + ", ".join(f"{r['mode']}/{r['params']} {r['parameters_us']:.0f} us" for r in own))
     broken = [r for r in rows if r.get("phases_us")]
     if broken:

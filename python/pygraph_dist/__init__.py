@@ -20,6 +20,7 @@ import logging
 import torch  # noqa: F401 - loads libtorch before the extension
 
 from ._ext import C as _C
+from . import clip_route
 from .accumulation import AccumulationReadError
 from ._ext import graphs_available
 from .backend import graph_safe_backend
@@ -254,7 +255,9 @@ def wrap(
     )
     engine = Engine(model, optimizer, config, process_group)
     warn_stock_backend(engine)
-    return GraphedModule(model, engine), optimizer
+    wrapper = GraphedModule(model, engine)
+    clip_route.remember(wrapper)  # clip_grad_norm_(model.parameters()) without the generator's walk
+    return wrapper, optimizer
 
 
 def report(print_report: bool = False, *, verbose: bool = False, as_dict: bool = False) -> Report | dict:

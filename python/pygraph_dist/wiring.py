@@ -133,6 +133,7 @@ class EngineWiring:
         # is routed to this engine (clip_route.py).
         self.clip_param_ids = frozenset(id(p) for p in module.parameters())
         clip_route.install()
+        clip_route.remember(module)
         self.step.tuple_loss = config.monitor and grad_scaler is None
         timeout = config.replay_timeout
         if timeout is None:

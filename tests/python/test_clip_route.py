@@ -99,3 +99,54 @@ def test_names_bound_to_torchs_clip_before_wrap_are_rebound():
     finally:
         clip_route.uninstall()
     assert space["clip_grad_norm_"] is clip_route.ORIGINAL and space["clip"] is clip_route.ORIGINAL
+
+
+def test_model_parameters_of_a_wrapped_model_is_read_once_per_structure():
+    """clip_grad_norm_(model.parameters()): the generator's walk over the modules
+    (1.2-1.5 ms at 500 tensors) happens once, and again after any registration."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    assert clip_route.parameters_of(m.parameters()) is None  # not remembered: the generator runs
+    clip_route.remember(m)
+    first = clip_route.parameters_of(m.parameters())
+    assert first == tuple(m.parameters())
+    assert clip_route.parameters_of(m.parameters()) is first  # cached: the same tuple
+    m.add_module("extra", torch.nn.Linear(2, 2))  # a submodule registered: read again
+    second = clip_route.parameters_of(m.parameters())
+    assert second is not first and second == tuple(m.parameters()) and len(second) == 6
+    m[0].weight = torch.nn.Parameter(torch.zeros(3, 3))  # a parameter replaced by setattr
+    third = clip_route.parameters_of(m.parameters())
+    assert third == tuple(m.parameters()) and third[0] is m[0].weight
+    m[0].load_state_dict({"weight": torch.ones(3, 3), "bias": torch.ones(3)}, assign=True)
+    assert clip_route.parameters_of(m.parameters())[0] is m[0].weight
+    # anything but a fresh recursive parameters() generator of a remembered module: None
+    assert clip_route.parameters_of(m.parameters(recurse=False)) is None
+    started = m.parameters()
+    next(started)
+    assert clip_route.parameters_of(started) is None
+    assert clip_route.parameters_of(list(m.parameters())) is None
+    assert clip_route.parameters_of(p for p in m.parameters()) is None
+    assert clip_route.parameters_of(m[0].parameters()) is None  # a submodule: not remembered
+
+
+def test_the_cached_parameters_clip_as_torch_does():
+    """Through the router, a remembered module's parameters() clips exactly as
+    torch's own function with the generator (no engine: torch's path)."""
+    def model(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
+        for p in m.parameters():
+            p.grad = torch.randn_like(p) * 10
+        return m
+
+    clip_route.install()
+    try:
+        mine, ref = model(0), model(0)
+        clip_route.remember(mine)
+        for _ in range(2):  # the second call reads the cache
+            got = torch.nn.utils.clip_grad_norm_(mine.parameters(), 1.0)
+            want = clip_route.ORIGINAL(ref.parameters(), 1.0)
+            assert torch.equal(got, want)
+            assert all(torch.equal(a.grad, b.grad) for a, b in zip(mine.parameters(), ref.parameters()))
+    finally:
+        clip_route.uninstall()
