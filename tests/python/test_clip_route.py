@@ -150,3 +150,50 @@ def test_the_cached_parameters_clip_as_torch_does():
             assert all(torch.equal(a.grad, b.grad) for a, b in zip(mine.parameters(), ref.parameters()))
     finally:
         clip_route.uninstall()
+
+
+def wrapped_clip_loop(steps=6):
+    """A wrapped model (CPU, one rank) trained with the loop's own clip, beside
+    DDP with torch's clip: the router read model.parameters() from the cache."""
+    import torch.distributed as dist
+    from torch import nn
+
+    import pygraph_dist as pgd
+
+    pgd.init()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    ref.load_state_dict(net.state_dict())
+    model, opt = pgd.wrap(net, torch.optim.SGD(net.parameters(), lr=0.5))
+    ddp = nn.parallel.DistributedDataParallel(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    cached = [clip_route.parameters_of(m.parameters()) for m in (model, model.module)]
+    norms = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 8, generator=g) * 5, torch.randint(0, 4, (16,), generator=g)
+        out = []
+        for m, o in ((model, opt), (ddp, ref_opt)):
+            o.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            out.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)))
+            o.step()
+        norms.append(out)
+    same = all(torch.equal(a, b) for a, b in zip(net.parameters(), ref.parameters()))
+    again = [clip_route.parameters_of(m.parameters()) for m in (model, model.module)]
+    result = {
+        "cached_is_parameters": [c == tuple(net.parameters()) for c in cached],
+        "cached_again": [a is c for a, c in zip(again, cached)],
+        "norms": norms, "bitwise": same, "rank": dist.get_rank(),
+    }
+    pgd.shutdown()
+    return result
+
+
+def test_a_wrapped_models_clip_reads_the_cache_and_trains_as_ddp(ranks):
+    for r in ranks("test_clip_route:wrapped_clip_loop", world_size=1, timeout=120):
+        assert r["cached_is_parameters"] == [True, True], r  # wrapper and module: remembered at wrap()
+        assert r["cached_again"] == [True, True], r  # nothing registered since: the same tuples
+        assert all(a == b for a, b in r["norms"]) and r["norms"][0][0] > 0.1, r["norms"]  # clipped
+        assert r["bitwise"], r
