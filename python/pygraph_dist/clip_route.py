@@ -38,7 +38,9 @@ the router does not run that generator: :func:`parameters_of` recognises a
 ``Module.parameters()`` generator not yet started and hands out the tuple read
 the first time, read again after torch's global registration hooks saw a
 parameter or submodule registered anywhere (``setattr``, ``register_parameter``,
-``add_module``, ``load_state_dict(assign=True)``).
+``add_module``, ``load_state_dict(assign=True)``) or the engine saw a
+parameter's storage change. What torch has no hook for (``del``,
+``ModuleList.insert``, ``bias = None``) is not seen: docs/limits.md.
 
 ``from torch.nn.utils import clip_grad_norm_`` executed before ``wrap()`` binds
 torch's function to a name of the script's own (or of a helper module it
@@ -60,7 +62,6 @@ import math
 import operator
 import sys
 import types
-import weakref
 import zlib
 
 import torch
@@ -153,54 +154,56 @@ def rebind(spaces: list[dict]) -> list[str]:
 # ------------------------------------------------ model.parameters(), cached
 _PARAMETERS_CODE = torch.nn.Module.parameters.__code__
 _structure = [0]  # bumped when any module registers a parameter or a submodule
-_known: "weakref.WeakKeyDictionary[torch.nn.Module, tuple | None]" = weakref.WeakKeyDictionary()
+_CACHE = "_pgd_parameters"  # in a remembered module's __dict__: (structure, parameters)
 _hooks: list = []
 
 
-def _registered(*_args) -> None:
-    """torch's global registration hooks: a parameter or submodule was set
-    somewhere; the cached parameter tuples are read again. Returns None: the
-    registration itself is unchanged."""
+def structure_changed(*_args) -> None:
+    """The cached parameter tuples are read again at their next use: torch's
+    global registration hooks call this when a parameter or submodule is set
+    anywhere, and the engine when a parameter's storage or requires_grad
+    drifted. Returns None (as a hook: the registration is unchanged)."""
     _structure[0] += 1
 
 
 def remember(module: torch.nn.Module) -> None:
     """``module.parameters()`` passed to the clip is read once per structure
-    (:func:`parameters_of`): a wrapped model and its wrapper."""
+    (:func:`parameters_of`): a wrapped model and its wrapper. The cache lives in
+    the module's own ``__dict__`` (found by identity, collected with it)."""
     if not _hooks:
         from torch.nn.modules import module as torch_module
 
-        _hooks.append(torch_module.register_module_parameter_registration_hook(_registered))
-        _hooks.append(torch_module.register_module_module_registration_hook(_registered))
-    _known.setdefault(module, None)
+        _hooks.append(torch_module.register_module_parameter_registration_hook(structure_changed))
+        _hooks.append(torch_module.register_module_module_registration_hook(structure_changed))
+    module.__dict__.setdefault(_CACHE, (-1, ()))
 
 
 def parameters_of(parameters) -> tuple | None:
     """The parameters a ``module.parameters()`` generator would yield, for a
     remembered module, without running it -- or None (anything else: a list, a
     generator already started, ``recurse=False``, another module's). The tuple
-    is read from the generator itself the first time and after any
-    registration; a parameter or submodule removed with ``del`` is not seen
-    (torch has no hook for it): remove nothing from a wrapped model."""
+    is read from the generator itself the first time and after
+    :func:`structure_changed`; on a cached answer the generator is closed, as
+    torch's clip would have used it up (a generator kept and passed again is
+    empty, as with torch). Changes torch has no hook for are not seen: ``del``
+    of a parameter or submodule, ``ModuleList.insert``/``Sequential.insert``,
+    ``module.bias = None``, writes into ``module._parameters`` (docs/limits.md)."""
     if type(parameters) is not types.GeneratorType or parameters.gi_code is not _PARAMETERS_CODE:
         return None
     frame = parameters.gi_frame
     if frame is None or parameters.gi_suspended or parameters.gi_running:  # started or done
         return None
     local = frame.f_locals
-    module = local.get("self")
-    if local.get("recurse") is not True or not isinstance(module, torch.nn.Module):
+    if local.get("recurse") is not True:
         return None
-    try:
-        if module not in _known:
-            return None
-    except TypeError:  # a module that cannot be weakly referenced or hashed
+    cached = getattr(local.get("self"), "__dict__", {}).get(_CACHE)
+    if cached is None:  # not remembered
         return None
-    cached = _known[module]
-    if cached is not None and cached[0] == _structure[0]:
+    if cached[0] == _structure[0]:
+        parameters.close()
         return cached[1]
     params = tuple(parameters)
-    _known[module] = (_structure[0], params)
+    local["self"].__dict__[_CACHE] = (_structure[0], params)
     return params
 
 

@@ -263,6 +263,7 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         """Release ``entry``'s graphs for ``drift``; a hyperparameter the graphs
         bake in that changes again gets one warning with its line and the fix."""
         self.cache.invalidate(entry, self.iteration, drift)
+        clip_route.structure_changed()  # a parameter replaced: the clip reads model.parameters() again
         m = _BAKED.match(drift)
         if not m:
             return

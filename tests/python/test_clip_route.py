@@ -127,6 +127,62 @@ def test_model_parameters_of_a_wrapped_model_is_read_once_per_structure():
     assert clip_route.parameters_of(list(m.parameters())) is None
     assert clip_route.parameters_of(p for p in m.parameters()) is None
     assert clip_route.parameters_of(m[0].parameters()) is None  # a submodule: not remembered
+    clip_route.structure_changed()  # as the engine does when a parameter's storage drifted
+    fourth = clip_route.parameters_of(m.parameters())
+    clip_route.structure_changed()
+    assert clip_route.parameters_of(m.parameters()) is not fourth
+
+
+def test_the_cache_is_the_modules_own():
+    """Found by identity (a module equal to another is not it) and kept in the
+    module's own __dict__: nothing outside holds the parameters or the module."""
+    import gc
+    import weakref
+
+    class Config(torch.nn.Module):  # equality by configuration, as some libraries define it
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def __eq__(self, other):
+            return isinstance(other, Config)
+
+        def __hash__(self):
+            return 0
+
+    a, b = Config(), Config()
+    clip_route.remember(a)
+    assert clip_route.parameters_of(a.parameters()) == tuple(a.parameters())
+    assert clip_route.parameters_of(b.parameters()) is None  # b equals a, but was never remembered
+    # A hook that refers to its module (a parameter -> hook -> module cycle) is collected with it.
+    a.lin.weight.register_hook(lambda g, m=a: g)
+    ref = weakref.ref(a)
+    del a
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_generator_kept_and_passed_again_is_empty_as_with_torch():
+    """torch's clip uses the generator up: passed a second time it clips nothing
+    and warns. A cached answer closes the generator, so the same happens."""
+    import warnings
+
+    m = torch.nn.Linear(3, 3)
+    for p in m.parameters():
+        p.grad = torch.full_like(p, 10.0)
+    clip_route.remember(m)
+    clip_route.install()
+    try:
+        clip_route.parameters_of(m.parameters())  # the cache filled
+        kept = m.parameters()
+        first = torch.nn.utils.clip_grad_norm_(kept, 1.0)
+        assert float(first) > 1.0
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            second = torch.nn.utils.clip_grad_norm_(kept, 1.0)
+        assert float(second) == 0.0 and any("empty" in str(w.message) for w in seen), seen
+    finally:
+        clip_route.uninstall()
 
 
 def test_the_cached_parameters_clip_as_torch_does():
