@@ -116,7 +116,9 @@ PHASES = {
     "drift": "GraphCache.drift: optimizer state version, parameter storages and requires_grad, hyperparameters",
     "input copies": "the call's tensors copied into the static inputs",
     "grad views": "reducer.expose_grads / SplitGraphs.attach_grads: .grad back to the bucket views",
-    "launch": "ReplayWatchdog.replay: the graph launches (C++, GIL released)",
+    "launch": "ReplayWatchdog.replay: the graph launches (C++, GIL released); tier 1's steady replay "
+              "(Engine._replay_owned): its checks, input copies, .grad views, launch and loss hand-out, "
+              "one C++ call",
     "watchdog": "ReplayWatchdog.after_replay: the watchdog's event after a tier-1 replay",
     "hand-out": "Engine._hand_out: fresh loss and outputs of a tier-1 replay",
     "tier-2 forward": "SplitGraphs.forward's own code: reducer flags, the call record, the output structure",

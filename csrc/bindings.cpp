@@ -19,6 +19,7 @@
 #include <pthread.h>
 
 #include <chrono>
+#include <string_view>
 #include <thread>
 
 #ifdef PGD_WITH_CUDA
@@ -333,6 +334,94 @@ void bind_watchdog(py::module_& m) {
       "Replay torch.cuda.CUDAGraph objects in order on the current stream without the GIL; "
       "with a watchdog, time the launches and (arm=True) record an event after them.");
 #endif
+
+#ifdef PGD_WITH_CUDA
+  // Tier 1's steady replay in one call (issue 26): what Engine._replay_owned
+  // would otherwise spread over four calls and their Python frames. Compares
+  // the parameters' state with the capture's (graph_cache.drift's check);
+  // copies the call's tensors matched by `guard` into the static inputs; makes
+  // every trainable .grad its bucket view; launches the graph as replay_graphs
+  // does (watched, without the GIL); hands out a fresh loss (hand_out.h).
+  // Returns None with nothing done when the parameters' state differs: the
+  // caller takes the long path, which says what changed.
+  m.def(
+      "replay_owned",
+      [](InputGuard& guard, const ParamWatch& watch, const py::bytes& state, const py::object& graph,
+         const py::object& watchdog, const std::string& label, const std::string& collectives,
+         bool arm, const at::Tensor& loss) -> py::object {
+        if (watch.state() != static_cast<std::string_view>(state)) {
+          return py::none();
+        }
+        auto g = graph.cast<std::shared_ptr<at::cuda::CUDAGraph>>();
+        std::shared_ptr<ReplayWatchdog> wd =
+            watchdog.is_none() ? nullptr : watchdog.cast<std::shared_ptr<ReplayWatchdog>>();
+        guard.copy_pending();
+        watch.expose_grads();
+        {
+          py::gil_scoped_release no_gil;
+          if (wd) {
+            wd->launch_started(label, collectives);
+          }
+          try {
+            g->replay();
+          } catch (...) {
+            if (wd) {
+              wd->launch_finished();
+            }
+            throw;
+          }
+          if (wd) {
+            wd->launch_finished();
+            if (arm) {
+              wd->arm(label, collectives);
+            }
+          }
+        }
+        return py::cast(hand_out_loss(loss));
+      },
+      py::arg("guard"), py::arg("watch"), py::arg("state"), py::arg("graph"),
+      py::arg("watchdog"), py::arg("label"), py::arg("collectives"), py::arg("arm"),
+      py::arg("loss"),
+      "Tier 1's steady replay: state check, input copies, .grad views, launch, loss hand-out.");
+#endif
+
+  // Whether every param group's "params" holds exactly the parameters of
+  // `snapshot` (one tuple per group), compared by identity: fast_lane.ClearGrads'
+  // check before each zero_grad, ~1 ns a parameter instead of a Python call each.
+  m.def(
+      "same_group_params",
+      [](const py::sequence& groups, const py::sequence& snapshot) {
+        const size_t n = py::len(groups);
+        if (n != py::len(snapshot)) {
+          return false;
+        }
+        for (size_t i = 0; i < n; ++i) {
+          py::object params = groups[i]["params"];
+          py::object snap = snapshot[i];
+          if (!PyTuple_Check(snap.ptr())) {
+            return false;
+          }
+          py::object fast = py::reinterpret_steal<py::object>(
+              PySequence_Fast(params.ptr(), "param group 'params' is not a sequence"));
+          if (!fast) {
+            PyErr_Clear();
+            return false;
+          }
+          const Py_ssize_t k = PySequence_Fast_GET_SIZE(fast.ptr());
+          if (k != PyTuple_GET_SIZE(snap.ptr())) {
+            return false;
+          }
+          PyObject** items = PySequence_Fast_ITEMS(fast.ptr());
+          for (Py_ssize_t j = 0; j < k; ++j) {
+            if (items[j] != PyTuple_GET_ITEM(snap.ptr(), j)) {
+              return false;
+            }
+          }
+        }
+        return true;
+      },
+      py::arg("groups"), py::arg("snapshot"),
+      "Whether each group's params are the snapshot's tuple, element by element, by identity.");
 
   // Test hook: block this thread for `seconds` while holding the GIL, as a
   // CUDA call made with the GIL held blocks when the launch queue is full.

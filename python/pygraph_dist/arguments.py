@@ -228,3 +228,18 @@ def leaf_name(module: torch.nn.Module, leaves: list, spec, index: int) -> str:
     if getattr(top, "idx", None) == 1 and len(path) > 1:  # keyword
         return f"{path[1].key!r}{rest}"
     return "an argument"
+
+
+def varying_detail(name: str) -> str:
+    """What the engine says once argument ``name`` of the model call has taken
+    :attr:`VaryingScalars.THRESHOLD` values with the same tensor shapes."""
+    nested = name.endswith("]")  # a value inside a container argument: batch['step']
+    fix = ("ignore_args takes whole arguments: pass it as an argument of its own, or as a tensor, "
+           "or leave it out of the call" if nested else
+           f"if the forward does not use it (like Lightning's batch_idx), pass "
+           f"wrap(..., ignore_args=[{name}]); if it does, pass it as a tensor or leave it out "
+           "of the call")
+    return (f"argument {name} of the model call has taken {VaryingScalars.THRESHOLD} different "
+            "values in calls with the same tensor shapes: graphs are captured per value of a "
+            "Python argument (the forward may read it), so calls with a new value run eagerly; "
+            + fix)

@@ -54,7 +54,7 @@ from torch import nn
 
 from . import clip_route, lifetime
 from ._ext import C
-from .arguments import VaryingScalars, leaf_name
+from .arguments import leaf_name, varying_detail
 from .capture import SELECT_REPLAYS
 from .compiled import TIMER as COMPILE_TIMER
 from .config import WrapConfig
@@ -117,6 +117,7 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         # fast_lane.py: the entry whose InputGuard the next call is tried against
         # (the last one replayed; never with pad_batch_to, whose padding the guard skips).
         self._guarded: GraphEntry | None = None
+        self._owned_lane = getattr(C, "replay_owned", None) is not None  # CUDA builds
         self._inner_seen: list[str] = []  # autocast inside forward, seen by a probe (monitor.py)
         self._norm_requests: list[torch.Tensor] = []  # grad_norm_after_step(), filled by the step
         self.serial = lifetime.register(self)
@@ -195,6 +196,10 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         # or the call's key is built and looked up. leaves None: the guard holds
         # the call's tensors, copied by the replay.
         entry, leaves = self._guard_match(args, kwargs), None
+        if entry is not None and self._owned_lane:
+            fresh = self._replay_owned(entry)
+            if fresh is not None:
+                return fresh
         if entry is None:
             args, kwargs = self.cache.pad(args, kwargs)
             leaves, spec = _flatten((args, kwargs))
@@ -238,6 +243,38 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         if len(entry.replay_times) >= SELECT_REPLAYS:
             self.runner.select(entry, iteration=self.iteration)
         return self._hand_out(loss)
+
+    @timed("launch")
+    def _replay_owned(self, entry: GraphEntry):
+        """Tier 1's steady state: the call matched ``entry``'s guard, and its
+        graph replays in one C++ call (``C.replay_owned``: the parameters'
+        state, input copies, .grad views, launch, loss hand-out) after the
+        drift checks that are cheap in Python. None where anything differs
+        from a plain tier-1 replay: the long path below makes every check and
+        says why."""
+        drift, result = entry.drift, entry.static_result
+        if (entry.step_graph is not None or entry.graph is None or result is None
+                or result[1] is not result[0] or self.loop.split_reason
+                or self.reducer.watch is None or not isinstance(drift.params, bytes)
+                or drift.state_version != self.opt_state_version
+                or entry.policy.phase != Phase.REPLAY or self._selecting(entry)
+                or getattr(entry.graph, "_tracker", None) is not None
+                or self.cache.hyperparams_drift(entry, self.optimizer, self.opt_plan.lr_tensors)):
+            return None
+        launch = self.runner.watchdog.fused()
+        if launch is None:
+            return None
+        fresh = C.replay_owned(entry.guard, self.reducer.watch, drift.params, entry.graph, launch[0],
+                               f"[{entry.description}] at iteration {self.iteration}",
+                               entry.collectives or "", launch[1], result[0])
+        if fresh is None:  # a parameter's storage or requires_grad changed
+            return None
+        entry.policy.begin_iteration()
+        self._entry, self._phase = entry, Phase.REPLAY
+        entry.last_used = self.iteration
+        self.loop.mode = Mode.OWNED
+        self.loop.handed_out(fresh)
+        return fresh
 
     def _guard_match(self, args: tuple, kwargs: dict) -> GraphEntry | None:
         """The entry replayed last, if this call has its signature (InputGuard)."""
@@ -327,16 +364,7 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         return entry
 
     def _warn_varying(self, entry: GraphEntry, name: str) -> None:
-        nested = name.endswith("]")  # a value inside a container argument: batch['step']
-        fix = ("ignore_args takes whole arguments: pass it as an argument of its own, or as a tensor, "
-               "or leave it out of the call" if nested else
-               f"if the forward does not use it (like Lightning's batch_idx), pass "
-               f"wrap(..., ignore_args=[{name}]); if it does, pass it as a tensor or leave it out "
-               "of the call")
-        detail = (f"argument {name} of the model call has taken {VaryingScalars.THRESHOLD} different "
-                  "values in calls with the same tensor shapes: graphs are captured per value of a "
-                  "Python argument (the forward may read it), so calls with a new value run eagerly; "
-                  + fix)
+        detail = varying_detail(name)
         self.cache.event(entry, self.iteration, "argument varies", detail)
         if self.rank == 0:
             logger.warning("%s.", detail)

@@ -209,6 +209,11 @@ class GraphCache:
                         "or p.data = ...)")
             if requires_grad != requires_grad0:
                 return "a parameter was frozen or unfrozen (requires_grad changed)"
+        return self.hyperparams_drift(entry, optimizer, lr_tensors)
+
+    @timed("drift")
+    def hyperparams_drift(self, entry: GraphEntry, optimizer, lr_tensors) -> str | None:
+        """:meth:`drift`'s check of the optimizer's hyperparameters alone."""
         if same_versions(optimizer, entry.drift.versions):  # no group changed since the capture
             return None
         drift = hyperparams_drift(optimizer, entry.drift.hyperparams, lr_tensors)

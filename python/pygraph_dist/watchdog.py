@@ -152,6 +152,21 @@ class ReplayWatchdog:
         if arm and wd is None:  # the Python-thread watchdog (native=False), or none
             self.after_replay(label, collectives)
 
+    def fused(self) -> tuple | None:
+        """For a launch the caller makes in C++ (``C.replay_owned``), counted as
+        :meth:`replay` counts one with ``arm=True``: (the native watchdog or
+        None, whether to arm it after the launch). None where the launch must
+        go through :meth:`replay` (the Python-thread watchdog)."""
+        if not self.enabled:
+            return None, False
+        if not self.native:
+            return None
+        wd = self._ensure_native()
+        if self._closed:
+            return wd, False
+        self._count += 1
+        return wd, self._count % self.every == 0
+
     @timed("watchdog")
     def after_replay(self, label: str, collectives: str | None = None) -> None:
         """Watch the work launched so far on the current stream (every ``every``-th call)."""

@@ -228,6 +228,31 @@ def test_clear_grads_sets_the_optimizers_gradients_to_none():
     assert not subset(True)  # the optimizer holds part of the model: torch's own
 
 
+def test_same_group_params_compares_by_identity_like_its_python_spelling():
+    from pygraph_dist.fast_lane import _same_group_params
+
+    if not hasattr(C, "same_group_params"):
+        pytest.skip("extension built without same_group_params")
+    a, b, c = (torch.nn.Parameter(torch.ones(2)) for _ in range(3))
+    equal_twin = torch.nn.Parameter(torch.ones(2))  # equal values, another object
+    groups = [{"params": [a, b]}, {"params": [c]}]
+    cases = [
+        ([(a, b), (c,)], True),
+        ([(a, b), (equal_twin,)], False),  # identity, never ==: a tensor's == is elementwise
+        ([(a, b)], False),                 # a group fewer
+        ([(a,), (c,)], False),             # a parameter fewer
+        ([(b, a), (c,)], False),           # reordered
+        ([(a, b), (c, a)], False),         # a parameter more
+    ]
+    for snapshot, same in cases:
+        assert C.same_group_params(groups, snapshot) is same, snapshot
+        assert _same_group_params(groups, snapshot) is same, snapshot
+    assert C.same_group_params([{"params": (a, b)}], [(a, b)])  # a tuple of params
+    assert not C.same_group_params([{"params": 3}], [(a,)])     # not a sequence: not the same
+    with pytest.raises(KeyError):
+        C.same_group_params([{"lr": 0.1}], [(a,)])              # as torch would fail on the group
+
+
 # ------------------------------------------------------------- group versions
 def test_group_versions_count_the_changes_a_graph_could_miss():
     t = torch.zeros(())
@@ -248,22 +273,31 @@ def test_group_versions_count_the_changes_a_graph_could_miss():
 
 
 # ------------------------------------------------------------------- GPU runs
-def gpu_steady_state(loop="inside", steps=30):
-    """Count signature lookups in the steady state; compare with graphs=False."""
+def gpu_steady_state(loop="inside", steps=30, lr_every_step=False):
+    """Count signature lookups and one-call tier-1 replays (C.replay_owned) in
+    the steady state; compare with graphs=False."""
     pgd.init()
     rank = dist.get_rank()
     dev = device()
     F = torch.nn.functional
     from pygraph_dist.graph_cache import GraphCache
 
-    lookups = []
+    lookups, owned = [], []
     original = GraphCache.lookup
+    real_owned = C.replay_owned
 
     def counting(self, *a, **k):
         lookups.append(it)
         return original(self, *a, **k)
 
+    def counting_owned(*a, **k):
+        out = real_owned(*a, **k)
+        if out is not None:
+            owned.append(it)
+        return out
+
     GraphCache.lookup = counting
+    C.replay_owned = counting_owned
 
     def run(graphs):
         nonlocal it
@@ -274,6 +308,9 @@ def gpu_steady_state(loop="inside", steps=30):
         for it in range(steps):
             # A short batch at step 20 (a new signature), then the full size again.
             x, y = data(it, rank, batch=8 if it == 20 else 16, device=dev)
+            if lr_every_step:  # a hand-written schedule, as GPT pretraining scripts write it
+                for g in opt.param_groups:
+                    g["lr"] = 1e-3 * (1 - it / (2 * steps))
             opt.zero_grad(set_to_none=True)
             loss = model(x, y) if loop == "inside" else F.cross_entropy(model(x), y)
             loss.backward()
@@ -286,18 +323,26 @@ def gpu_steady_state(loop="inside", steps=30):
     graphed_lookups = list(lookups)
     p_e, l_e, _ = run(False)
     GraphCache.lookup = original
+    C.replay_owned = real_owned
     g = rep.graphs[0]
     return {"phase": g.phase, "tier": g.tier, "replays": sum(x.replays for x in rep.graphs),
-            "lookups": graphed_lookups, "bitwise": bool(torch.equal(p_g, p_e)),
+            "lookups": graphed_lookups, "owned": owned, "bitwise": bool(torch.equal(p_g, p_e)),
             "losses_equal": l_g == l_e, "report": str(pgd.report())}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("loop", ["inside", "outside"])
-def test_the_steady_state_builds_no_signature_key(ranks, loop):
-    (r,) = ranks("test_fast_lane:gpu_steady_state", world_size=1, timeout=300, kwargs={"loop": loop})
+@pytest.mark.parametrize("loop,lr_every_step", [("inside", False), ("outside", False), ("inside", True)])
+def test_the_steady_state_builds_no_signature_key(ranks, loop, lr_every_step):
+    (r,) = ranks("test_fast_lane:gpu_steady_state", world_size=1, timeout=300,
+                 kwargs={"loop": loop, "lr_every_step": lr_every_step})
     assert r["phase"] == "replay" and r["tier"] == ("1" if loop == "inside" else "2"), r["report"]
     assert r["bitwise"] and r["losses_equal"], r["report"]
+    # Tier 1's steady replays are one C++ call each (engine._replay_owned), also
+    # with a float written into param_group['lr'] every step; tier 2 never uses it.
+    if loop == "inside":
+        assert set(range(12, 20)) | set(range(22, 30)) <= set(r["owned"]), r["owned"]
+    else:
+        assert not r["owned"], r["owned"]
     # Keys are built until the first replay (probe, warm-up, capture) and for
     # the short batch at step 20, never in the steady state around it: the full
     # batch at 21 matches the guard of the entry replayed last (the short batch
