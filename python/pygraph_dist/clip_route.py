@@ -207,6 +207,13 @@ def parameters_of(parameters) -> tuple | None:
     return params
 
 
+def cached_parameters(module) -> tuple | None:
+    """The tuple :func:`parameters_of` hands out for ``module.parameters()``
+    while it is current (no :func:`structure_changed` since it was read), else None."""
+    cached = getattr(module, "__dict__", {}).get(_CACHE)
+    return cached[1] if cached is not None and cached[0] == _structure[0] else None
+
+
 def uninstall() -> None:
     """Give torch its function back (tests), also to the names :func:`install` rebound."""
     global _installed

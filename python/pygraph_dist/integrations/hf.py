@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 import pygraph_dist as pgd
-from pygraph_dist import GraphedModule
+from pygraph_dist import GraphedModule, clip_route
 from pygraph_dist.config import sparse_param_names
 
 from . import _hf_nan_filter
@@ -189,15 +189,22 @@ class PGDAccelerator(Accelerator):
         at once when the step already ran (tier 1), else a tensor that
         ``optimizer.step()`` fills (NaN until then; the Trainer logs it after
         the step)."""
-        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        # The Trainer passes model.parameters() every step: read once (clip_route.parameters_of).
+        cached = clip_route.parameters_of(parameters)
+        if cached is not None:
+            parameters = cached
+        else:
+            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         model = self._pgd_model_of(parameters)
         configured = model.engine.step.max_grad_norm if model is not None else None
         if configured is None:  # Accelerate's, which calls torch's: moved into the step where it can be
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)  # (clip_route.py)
         # The step clips every trainable parameter of the model (frozen ones have no gradient):
         # the call must ask for the same, or clipping would happen twice or over another set.
-        passed = {id(p) for p in parameters}
-        covers = all(id(p) in passed for p in model.parameters() if p.requires_grad)
+        covers = parameters is clip_route.cached_parameters(model)  # the model's own, all of them
+        if not covers:
+            passed = {id(p) for p in parameters}
+            covers = all(id(p) in passed for p in model.parameters() if p.requires_grad)
         if float(max_norm) != configured or float(norm_type) != 2.0 or not covers:
             raise ValueError(
                 f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) on a model that "
@@ -210,6 +217,9 @@ class PGDAccelerator(Accelerator):
 
     def _pgd_model_of(self, parameters: list) -> GraphedModule | None:
         """The prepared pygraph_dist model any of ``parameters`` belongs to."""
+        for model in self._models:
+            if isinstance(model, GraphedModule) and parameters is clip_route.cached_parameters(model):
+                return model
         ids = {id(p) for p in parameters}
         for model in self._models:
             if isinstance(model, GraphedModule) and any(id(p) in ids for p in model.parameters()):
