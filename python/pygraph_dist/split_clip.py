@@ -71,6 +71,7 @@ class SplitClip:
         self.ambient = None  # engine._ambient() at capture (autocast)
         self.recaptures = 0
         self.frozen: tuple = ()  # parameters passed that did not require grad at capture
+        self.eager_why = ""  # why the last call after the probe ran torch's (report())
 
     @timed("clip graph")
     def call(self, params: list, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tensor | None:
@@ -86,13 +87,14 @@ class SplitClip:
             return self._eager()
         accum = engine.accum
         if not accum.decided or accum.pending or reducer.watch.not_views():
-            return self._eager()
+            return self._eager("the gradients were still accumulating or not the buckets' at the call")
         # What the graph bakes in besides the gradients: autocast (a half-precision
         # norm runs in fp32 under it), and any torch-function or dispatch mode
         # (a user's, or one of ours) that would see or change torch's ops.
         ambient = engine._ambient()  # noqa: SLF001
         if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():  # noqa: SLF001
-            return self._eager()
+            return self._eager("a torch-function or dispatch mode was active at the call; a graph "
+                               "would bake it in or leave it out")
         if self.graph is not None and (ambient != self.ambient or reducer.param_state() != self.state):
             # requires_grad (or a parameter's storage) changed since the capture, or autocast
             # differs: capture again, a few times at most.
@@ -106,7 +108,7 @@ class SplitClip:
         # .grad is None, and so does the graph captured then.
         frozen = self.frozen if self.graph is not None else [p for p in params if not p.requires_grad]
         if any(p.grad is not None for p in frozen):
-            return self._eager()
+            return self._eager("a parameter passed that does not require grad had a .grad")
         if self.graph is None:
             self.frozen = tuple(frozen)
             self._capture(params, float(max_norm), foreach, ambient)
@@ -116,8 +118,10 @@ class SplitClip:
         self.replays += 1
         return self.norm.clone()
 
-    def _eager(self) -> None:
+    def _eager(self, why: str = "") -> None:
         self.eager_calls += 1
+        if why:
+            self.eager_why = why
         return None
 
     def _routable(self, params, max_norm, norm_type, error_if_nonfinite, foreach) -> bool:
@@ -173,6 +177,9 @@ class SplitClip:
             eager = f", {self.eager_calls} calls eager" if self.eager_calls else ""
             return (f"your clip_grad_norm_(max_norm={self.plan.max_norm:g}) a graph of its own "
                     f"({self.replays} replays{eager})")
+        if self.eager_why and self.eager_calls:  # never captured, for a reason found after the probe
+            return (f"your clip_grad_norm_ eager between the graphs ({self.eager_calls} calls; last: "
+                    f"{self.eager_why})")
         return ""  # never clipped in tier 2, or refused: the probe's reason (split_reason) says why
 
     def _drop(self) -> None:

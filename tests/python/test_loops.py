@@ -105,6 +105,13 @@ class HFOut(Body):
         return hf_output_class()(loss=loss, logits=logits)
 
 
+class _PassThroughMode(torch.overrides.TorchFunctionMode):
+    """A torch-function mode that changes nothing (as a library's or a profiler's)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 MODELS = {"readme": WithLoss, "readme_clip": WithLoss, "dict": DictOut, "tuple": TupleOut, "hf": HFOut, "dropout": DropoutLogits}
 
 
@@ -139,7 +146,7 @@ def train(model, opt, loop, steps, rank, dev, *, scheduler=None, scaler=None, au
             with amp:
                 if loop in ("readme", "readme_clip"):
                     loss = model(x, y)
-                elif loop in ("outside", "outside_acc", "clip", "clip_varies", "scaler", "dropout"):
+                elif loop in ("outside", "outside_acc", "clip", "clip_varies", "clip_moded", "scaler", "dropout"):
                     out = model(x)
                     loss = F.cross_entropy(out, y)
                 elif loop == "regularizer":
@@ -172,11 +179,14 @@ def train(model, opt, loop, steps, rank, dev, *, scheduler=None, scaler=None, au
                     # clip_varies: every 7th step another max_norm (tier 2: that call eager)
                     c = 0.25 if loop == "clip_varies" and step % 7 == 6 else 0.5
                     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c)
+                elif loop == "clip_moded":  # under a torch-function mode of the user's: eager
+                    with _PassThroughMode():
+                        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
                 opt.step()
             if loop in ("outside_acc", "dict", "hf"):
                 logits = out if loop == "outside_acc" else (out["logits"] if loop == "dict" else out.logits)
                 log.append((float(loss), float((logits.argmax(-1) == y).float().mean())))
-            elif loop in ("readme_clip", "clip", "clip_varies"):  # the norm clip_grad_norm_ returned, as scripts log it
+            elif loop in ("readme_clip", "clip", "clip_varies", "clip_moded"):  # the norm returned, as scripts log it
                 log.append((float(loss), float(norm)))
             else:
                 log.append(float(loss))
@@ -316,6 +326,20 @@ def clip_pair_tier2(loop="clip", steps=30):
     and step (tier 2), graphed and with graphs=False, each against DDP."""
     kw = {"loop": loop, "optimizer": "sgd", "steps": steps}
     return {"graphed": loop_vs_ddp(**kw, graphs=1), "eager": loop_vs_ddp(**kw, graphs=0)}
+
+
+@pytest.mark.gpu
+def test_a_clip_never_captured_says_why_in_the_report(ranks):
+    """Tier 2 with the clip under a torch-function mode of the user's every step:
+    torch's clip runs eagerly where it is written (bitwise like graphs=False),
+    and report() says so and why, rather than nothing."""
+    (r,) = ranks("test_loops:clip_pair_tier2", world_size=1, timeout=300, kwargs={"loop": "clip_moded"})
+    g, e = r["graphed"], r["eager"]
+    assert g["tiers"][:1] == ["2"] and g["replays"] > 20, g["report"]
+    assert "your clip_grad_norm_ eager between the graphs (" in g["loop_verdict"], g["loop_verdict"]
+    assert "torch-function or dispatch mode" in g["loop_verdict"], g["loop_verdict"]
+    assert g["params"] == e["params"], g["report"]
+    assert g["log"] == e["log"], (g["log"][:4], e["log"][:4])
 
 
 @pytest.mark.gpu
