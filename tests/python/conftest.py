@@ -107,6 +107,29 @@ def run_ranks(
     cap = os.environ.get("PGD_TEST_RANK_TIMEOUT")  # a shorter limit, to read a hang's stacks sooner
     if cap:
         timeout = min(timeout, float(cap))
+    # free_port() lets the port go before rank 0 binds it: another process (a
+    # parallel test's ranks) can take it in between, and rank 0's store then fails
+    # at once with EADDRINUSE. Such a launch is retried on another port.
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _run_ranks_once(case, tmp_path, world_size=world_size, timeout=timeout,
+                                   kwargs=kwargs, env=env, expect_success=expect_success,
+                                   port_taken_fails=attempt + 1 < PORT_ATTEMPTS)
+        except _PortTaken:
+            continue
+    raise AssertionError("unreachable")
+
+
+PORT_ATTEMPTS = 3
+_PORT_TAKEN = "EADDRINUSE"
+
+
+class _PortTaken(Exception):
+    """Rank 0 could not listen on the port free_port() chose: launch again."""
+
+
+def _run_ranks_once(case, tmp_path, *, world_size, timeout, kwargs, env, expect_success,
+                    port_taken_fails) -> list[dict]:
     port = free_port()
     out_dir = tmp_path / f"{case.replace(':', '.')}-{port}"
     if ":" not in case:
@@ -153,6 +176,10 @@ def run_ranks(
     for _, log in procs:
         log.close()
     logs = [(out_dir / f"rank{r}.log").read_text() for r in range(world_size)]
+    failed = died or [r for r, (p, _) in enumerate(procs) if p.returncode != 0]
+    if port_taken_fails and failed and _PORT_TAKEN in logs[0] and f"port: {port}" in logs[0]:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise _PortTaken(port)
     if timed_out and died:
         raise RankFailure(f"{case}: rank(s) {died} failed and the others were stopped "
                           f"{PEER_GRACE_S:.0f} s later\n" + _fmt(logs))

@@ -260,3 +260,35 @@ def test_a_failed_rank_stops_its_peers_soon_with_their_stacks(tmp_path):
     assert "rank(s) [1] failed and the others were stopped" in text
     assert "test: rank 1 fails" in text
     assert "one_rank_dies" in text.split("----- rank 1 -----")[0]  # rank 0's stack: where it waited
+
+
+def test_a_launch_whose_port_was_taken_is_retried_on_another(tmp_path, monkeypatch):
+    """The test harness itself: free_port() lets its port go before rank 0 binds it,
+    and a parallel test can take it in between (seen on the GPU machine with xdist:
+    EADDRINUSE at rank 0's store). Such a launch runs again on another port; a
+    launch failing for any other reason is not retried."""
+    import socket
+
+    import conftest
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    taken_port, handed = taken.getsockname()[1], []
+
+    def port_taken_first():
+        port = taken_port if not handed else free_port()
+        handed.append(port)
+        return port
+
+    monkeypatch.setattr(conftest, "free_port", port_taken_first)
+    try:
+        results = run_ranks("test_launch_env:init_only", tmp_path, timeout=60)
+    finally:
+        taken.close()
+    assert [r["sum"] for r in results] == [3.0, 3.0]
+    assert len(handed) == 2 and handed[0] != handed[1], handed
+    handed.append("the next launch")  # from here on, free ports only
+    with pytest.raises(conftest.RankFailure, match="test: rank 1 fails"):
+        run_ranks("test_launch_env:one_rank_dies", tmp_path, timeout=60, kwargs={"wait_s": 1})
+    assert len(handed) == 4, handed  # not a taken port: one launch, no second
