@@ -71,7 +71,7 @@ class SplitClip:
         self.ambient = None  # engine._ambient() at capture (autocast)
         self.recaptures = 0
         self.frozen: tuple = ()  # parameters passed that did not require grad at capture
-        self.eager_why = ""  # why the last call after the probe ran torch's (report())
+        self.eager_why: dict[str, int] = {}  # calls that ran torch's, by reason found at the call
 
     @timed("clip graph")
     def call(self, params: list, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tensor | None:
@@ -121,7 +121,7 @@ class SplitClip:
     def _eager(self, why: str = "") -> None:
         self.eager_calls += 1
         if why:
-            self.eager_why = why
+            self.eager_why[why] = self.eager_why.get(why, 0) + 1
         return None
 
     def _routable(self, params, max_norm, norm_type, error_if_nonfinite, foreach) -> bool:
@@ -177,9 +177,12 @@ class SplitClip:
             eager = f", {self.eager_calls} calls eager" if self.eager_calls else ""
             return (f"your clip_grad_norm_(max_norm={self.plan.max_norm:g}) a graph of its own "
                     f"({self.replays} replays{eager})")
-        if self.eager_why and self.eager_calls:  # never captured, for a reason found after the probe
-            return (f"your clip_grad_norm_ eager between the graphs ({self.eager_calls} calls; last: "
-                    f"{self.eager_why})")
+        if self.eager_why:  # never captured, for reasons found at the call (after the probe)
+            counts = sorted(self.eager_why.items(), key=lambda kv: -kv[1])
+            why = "; ".join(f"{n} calls: {reason}" for reason, n in counts[:2])
+            k = len(counts) - 2
+            more = f"; {k} more reason{'s' if k > 1 else ''}" if k > 0 else ""
+            return f"your clip_grad_norm_ eager between the graphs ({why}{more})"
         return ""  # never clipped in tier 2, or refused: the probe's reason (split_reason) says why
 
     def _drop(self) -> None:

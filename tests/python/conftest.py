@@ -121,7 +121,7 @@ def run_ranks(
 
 
 PORT_ATTEMPTS = 3
-_PORT_TAKEN = "EADDRINUSE"
+_PORT_TAKEN = ("EADDRINUSE", "Address already in use")  # torch's libuv store, the older one
 
 
 class _PortTaken(Exception):
@@ -177,7 +177,8 @@ def _run_ranks_once(case, tmp_path, *, world_size, timeout, kwargs, env, expect_
         log.close()
     logs = [(out_dir / f"rank{r}.log").read_text() for r in range(world_size)]
     failed = died or [r for r, (p, _) in enumerate(procs) if p.returncode != 0]
-    if port_taken_fails and failed and _PORT_TAKEN in logs[0] and f"port: {port}" in logs[0]:
+    if (port_taken_fails and failed and str(port) in logs[0]
+            and any(text in logs[0] for text in _PORT_TAKEN)):
         shutil.rmtree(out_dir, ignore_errors=True)
         raise _PortTaken(port)
     if timed_out and died:

@@ -253,3 +253,24 @@ def test_a_wrapped_models_clip_reads_the_cache_and_trains_as_ddp(ranks):
         assert r["cached_again"] == [True, True], r  # nothing registered since: the same tuples
         assert all(a == b for a, b in r["norms"]) and r["norms"][0][0] > 0.1, r["norms"]  # clipped
         assert r["bitwise"], r
+
+
+def test_a_tier2_clip_never_captured_is_described_with_its_reasons():
+    """report()'s clip clause for a tier-2 clip that never became a graph for
+    reasons found at the call: each reason with its count, the most frequent
+    first, two at most; nothing for calls refused by the probe's checks alone
+    (the probe's reason says why), and the graph's replays once one exists."""
+    from pygraph_dist.split_clip import SplitClip
+
+    clip = SplitClip(engine=None)
+    clip.off = False
+    assert clip.describe() == ""
+    clip._eager()  # a call routable() refused: the probe's reason covers it
+    assert clip.describe() == ""
+    for why, n in (("a mode", 3), ("still accumulating", 1), ("a frozen .grad", 2)):
+        for _ in range(n):
+            clip._eager(why)
+    text = clip.describe()
+    assert text == ("your clip_grad_norm_ eager between the graphs (3 calls: a mode; 2 calls: a frozen "
+                    ".grad; 1 more reason)"), text
+    assert clip.eager_calls == 7

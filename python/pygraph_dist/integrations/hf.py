@@ -201,7 +201,8 @@ class PGDAccelerator(Accelerator):
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)  # (clip_route.py)
         # The step clips every trainable parameter of the model (frozen ones have no gradient):
         # the call must ask for the same, or clipping would happen twice or over another set.
-        covers = parameters is clip_route.cached_parameters(model)  # the model's own, all of them
+        # The model's own tuple, all of them (an empty tuple is every empty tuple: not evidence).
+        covers = bool(parameters) and parameters is clip_route.cached_parameters(model)
         if not covers:
             passed = {id(p) for p in parameters}
             covers = all(id(p) in passed for p in model.parameters() if p.requires_grad)
@@ -218,7 +219,8 @@ class PGDAccelerator(Accelerator):
     def _pgd_model_of(self, parameters: list) -> GraphedModule | None:
         """The prepared pygraph_dist model any of ``parameters`` belongs to."""
         for model in self._models:
-            if isinstance(model, GraphedModule) and parameters is clip_route.cached_parameters(model):
+            if (isinstance(model, GraphedModule) and parameters
+                    and parameters is clip_route.cached_parameters(model)):
                 return model
         ids = {id(p) for p in parameters}
         for model in self._models:
