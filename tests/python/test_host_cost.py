@@ -92,3 +92,38 @@ def test_host_cost_smoke(tmp_path):
     png = tmp_path / "smoke.png"
     if png.exists():  # matplotlib present
         assert png.stat().st_size > 1000
+
+
+def test_host_cost_ab_alternates_base_and_this_tree(tmp_path):
+    """benchmarks/host_cost_ab.py on a CPU (--smoke): base and this tree in turn,
+    each round, the base's package really imported (given the installed
+    extension), and the summary pairs the rounds."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(ROOT / "python" / "pygraph_dist", base / "pygraph_dist",
+                    ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+    p = subprocess.run([sys.executable, "benchmarks/host_cost_ab.py", "--base", str(base), "--rounds", "2",
+                        "--smoke", "--steps", "3", "--modes", "eager,pgd_tier1", "--out-dir", str(tmp_path),
+                        "--name", "ab"], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads((tmp_path / "ab.json").read_text())
+    passes = result["passes"]
+    assert [(x["side"], x["round"]) for x in passes] == [("base", 0), ("this", 0), ("base", 1), ("this", 1)]
+    # The base copy without an extension: run from a scratch copy given the installed one.
+    assert all(x["package"].endswith("base/pygraph_dist/__init__.py") for x in passes if x["side"] == "base"), \
+        passes[0]["package"]
+    assert not any("base/pygraph_dist" in x["package"] for x in passes if x["side"] == "this")
+    summary = {(e["mode"], e["params"]): e for e in result["summary"]}
+    assert set(m for m, _ in summary) == {"eager", "pgd_tier1"}
+    for e in summary.values():
+        assert len(e["paired_diffs_us"]) == 2 and e["base_p50_us"] > 0 and e["this_p50_us"] > 0, e
+        assert e["paired_diff_us"] == sum(e["paired_diffs_us"]) / 2  # the median of two
+    text = (tmp_path / "ab.txt").read_text()
+    assert "2 rounds alternated" in text and "pgd_tier1" in text
+
+
+def test_host_cost_ab_refuses_a_base_without_the_package(tmp_path):
+    p = subprocess.run([sys.executable, "benchmarks/host_cost_ab.py", "--base", str(tmp_path), "--smoke"],
+                       cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "no pygraph_dist package there" in p.stderr, p.stderr[-2000:]

@@ -1,0 +1,197 @@
+"""Host cost per step, this tree against another revision's Python, alternated in one run.
+
+A host that drifts by tens of microseconds between minutes (a shared machine,
+frequency changes) makes two separate ``host_cost.py`` runs incomparable, and
+even one old-then-new pair can mislead. This script runs ``host_cost.py``
+(spans off, no plot) for the *base* package and for this tree in turn,
+``--rounds`` times (base, this, base, this, ...), in one invocation on the
+same GPU, and reports per mode and parameter count:
+
+* the median over rounds of each side's host p50 (us per step);
+* the median of the paired differences ``this - base`` (round by round);
+* each side's median *over the hand recipe of the same pass*: the hand
+  recipe (``hand``, ``hand_tier2``) runs in every pass, so ``+hand`` is
+  measured against the host as it was during that pass.
+
+The base is a directory holding a ``pygraph_dist`` package (another
+revision's ``python/``, e.g. ``git worktree add /tmp/base <rev>`` then
+``--base /tmp/base/python``), imported ahead of the installed one; it uses
+the installed compiled extension when it has none of its own
+(``pygraph_dist/_C*.so`` is copied in), so only the Python differs.
+
+    python benchmarks/host_cost_ab.py --base /tmp/base/python --rounds 4 \\
+        --layers 8,250 --modes hand,pgd_tier1,hand_tier2,pgd_tier2
+
+Writes ``<name>.json`` (every pass's rows) and ``<name>.txt`` (the table).
+``--smoke`` runs the harness on a CPU (host_cost's own --smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+HOST_COST = HERE / "host_cost.py"
+HAND_OF = {"pgd_tier1": "hand", "pgd_clip_in": "hand", "pgd_tier2": "hand_tier2", "pgd_clip": "hand_tier2",
+           "pgd_accum4": "hand_tier2", "hand_tier2": "hand", "callables": "hand_tier2", "eager": "hand"}
+_LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def base_package(base: Path, scratch: Path) -> Path:
+    """A directory to put first on PYTHONPATH: ``base``'s pygraph_dist, with the
+    installed compiled extension where ``base`` has none."""
+    src = base / "pygraph_dist"
+    if not (src / "__init__.py").exists():
+        raise SystemExit(f"--base {base}: no pygraph_dist package there (pass a revision's python/ directory)")
+    if list(src.glob("_C*.so")):
+        return base
+    import importlib.util
+
+    spec = importlib.util.find_spec("pygraph_dist")
+    installed = Path(spec.origin).parent if spec and spec.origin else None
+    so = sorted(installed.glob("_C*.so")) if installed else []
+    if not so:
+        raise SystemExit("no compiled pygraph_dist extension installed to give the base package")
+    dest = scratch / "base"
+    shutil.copytree(src, dest / "pygraph_dist", ignore=shutil.ignore_patterns("__pycache__"))
+    for f in so:
+        shutil.copy2(f, dest / "pygraph_dist" / f.name)
+    return dest
+
+
+def one_pass(side: str, rnd: int, args, pythonpath: str | None, scratch: Path) -> dict:
+    name = f"{side}-{rnd}"
+    cmd = [sys.executable, str(HOST_COST), "--no-spans", "--no-plot", "--out-dir", str(scratch), "--name", name,
+           "--layers", args.layers, "--modes", args.modes, "--steps", str(args.steps),
+           "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else [])
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    probe = subprocess.run([sys.executable, "-c", "import pygraph_dist; print(pygraph_dist.__file__)"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    out = scratch / f"{name}.json"
+    if p.returncode not in (0, 1) or not out.exists():  # 1: a mode failed, its row says so
+        raise RuntimeError(f"host_cost.py ({side}, round {rnd}) failed with exit code {p.returncode}:\n"
+                           f"{p.stderr[-3000:]}")
+    result = json.loads(out.read_text())
+    print(f"[host_cost_ab] {side:4s} round {rnd + 1}/{args.rounds}: {time.perf_counter() - t0:.0f} s",
+          file=sys.stderr)
+    return {"side": side, "round": rnd, "package": probe.stdout.strip(),
+            "environment": result["environment"], "rows": result["rows"]}
+
+
+def summarise(passes: list[dict]) -> list[dict]:
+    """Per (mode, params): medians over rounds, paired differences, +hand per pass."""
+    keys = []
+    for r in passes[0]["rows"]:
+        if (r["mode"], r["params"]) not in keys:
+            keys.append((r["mode"], r["params"]))
+
+    def p50(pas, mode, params):
+        row = next((r for r in pas["rows"] if r["mode"] == mode and r["params"] == params), None)
+        return row["host_p50_us"] if row is not None and row.get("status") == "ok" else None
+
+    out = []
+    for mode, params in keys:
+        entry = {"mode": mode, "params": params}
+        by_round: dict[int, dict[str, float]] = {}
+        over_hand: dict[str, list[float]] = {"base": [], "this": []}
+        hand = HAND_OF.get(mode)
+        for pas in passes:
+            v = p50(pas, mode, params)
+            if v is None:
+                continue
+            by_round.setdefault(pas["round"], {})[pas["side"]] = v
+            h = p50(pas, hand, params) if hand else None
+            if h is not None:
+                over_hand[pas["side"]].append(v - h)
+        for side in ("base", "this"):
+            vals = [r[side] for r in by_round.values() if side in r]
+            entry[f"{side}_p50_us"] = statistics.median(vals) if vals else None
+            entry[f"{side}_over_{hand}_us" if hand else f"{side}_over_hand_us"] = (
+                statistics.median(over_hand[side]) if over_hand[side] else None)
+        diffs = [r["this"] - r["base"] for r in by_round.values() if "this" in r and "base" in r]
+        entry["paired_diff_us"] = statistics.median(diffs) if diffs else None
+        entry["paired_diffs_us"] = diffs
+        entry["this_faster_rounds"] = sum(d < 0 for d in diffs)
+        out.append(entry)
+    return out
+
+
+def table(summary: list[dict], passes: list[dict], base: str, rounds: int) -> str:
+    env = passes[0]["environment"]
+    lines = [f"host cost A/B: this tree vs {base}; {env['device']}; torch {env['torch']}; "
+             f"{rounds} rounds alternated (base first), {env['steps']} steps after {env['warmup']} per pass",
+             "host us per step: medians over rounds of each pass's p50; paired = median of (this - base) per round; "
+             "+hand = over the hand recipe of the same pass",
+             f"{'mode':12s} {'params':>6s} {'base':>8s} {'this':>8s} {'paired':>8s} {'faster':>7s} "
+             f"{'base+hand':>10s} {'this+hand':>10s}",
+             "-" * 76]
+
+    def f(v):
+        return f"{v:8.1f}" if isinstance(v, (int, float)) else f"{'-':>8s}"
+
+    for e in summary:
+        hand_key = next((k for k in e if k.startswith("base_over_")), None)
+        this_key = hand_key.replace("base_", "this_") if hand_key else None
+        faster = f"{e['this_faster_rounds']}/{len(e['paired_diffs_us'])}" if e["paired_diffs_us"] else "-"
+        lines.append(f"{e['mode']:12s} {e['params']:6d} {f(e['base_p50_us'])} {f(e['this_p50_us'])} "
+                     f"{f(e['paired_diff_us'])} {faster:>7s} "
+                     f"{f(e.get(hand_key)) if hand_key else '-':>10s} {f(e.get(this_key)) if this_key else '-':>10s}")
+    lines.append("faster = rounds in which this tree's p50 was lower; base+hand/this+hand: over hand (tier 1 modes) "
+                 "or hand_tier2 (tier 2 modes), the same pass")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="host_cost.py for another revision's Python and this tree, "
+                                "alternated in one run (see the module docstring)")
+    p.add_argument("--base", required=True, help="a directory holding the base revision's pygraph_dist package")
+    p.add_argument("--rounds", type=int, default=3, help="base/this pairs (default 3)")
+    p.add_argument("--layers", default="8,250")
+    p.add_argument("--modes", default="hand,pgd_tier1,hand_tier2,pgd_tier2")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="CPU check of the harness (host_cost --smoke)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds one pass may take")
+    p.add_argument("--out-dir", default=str(HERE / "results" / "tmp"))
+    p.add_argument("--name", default=None, help="results file stem (default: host-cost-ab-<date>)")
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        base = base_package(Path(args.base).resolve(), scratch)
+        passes = []
+        for rnd in range(args.rounds):
+            passes.append(one_pass("base", rnd, args, str(base), scratch))
+            passes.append(one_pass("this", rnd, args, None, scratch))
+    if passes[0]["package"] == passes[1]["package"]:
+        raise SystemExit(f"both sides imported {passes[0]['package']}: --base did not take effect")
+    summary = summarise(passes)
+    text = table(summary, passes, args.base, args.rounds)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = args.name or time.strftime("host-cost-ab-%Y%m%d-%H%M%S")
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps({"base": args.base, "config": vars(args), "summary": summary, "passes": passes},
+                               indent=1))
+    path.with_suffix(".txt").write_text(text + "\n")
+    print(text)
+    print(f"[host_cost_ab] {len(passes)} passes -> {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
