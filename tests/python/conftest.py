@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import shutil
 import socket
@@ -73,9 +74,35 @@ def child_env(**extra: str) -> dict:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port to rendezvous on, free when checked. Chosen at random below the
+    kernel's ephemeral range, so that no outgoing connection (and no other
+    test's bind(0)) is handed it between this check and rank 0's bind; the
+    launch retries on another port if it was taken anyway (run_ranks)."""
+    low = _ephemeral_low()
+    for _ in range(50):
+        port = _PORTS.randrange(10000, low)
+        if 29000 <= port < 30000:  # torch's default 29500 and its neighbours: leave them to users
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded range: whatever the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_PORTS = random.SystemRandom()  # not the random module's state, which a test may seed
+
+
+def _ephemeral_low() -> int:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return max(low, 12000)
 
 
 class RankFailure(AssertionError):

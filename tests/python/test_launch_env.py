@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -292,3 +293,23 @@ def test_a_launch_whose_port_was_taken_is_retried_on_another(tmp_path, monkeypat
     with pytest.raises(conftest.RankFailure, match="test: rank 1 fails"):
         run_ranks("test_launch_env:one_rank_dies", tmp_path, timeout=60, kwargs={"wait_s": 1})
     assert len(handed) == 4, handed  # not a taken port: one launch, no second
+
+
+def test_free_port_stays_out_of_the_ephemeral_range(monkeypatch):
+    """The harness's rendezvous ports come from below the kernel's ephemeral range
+    (no outgoing connection is handed one while rank 0 starts), away from torch's
+    default 29500, and not from the random module's state, which a test may seed."""
+    import random
+
+    import conftest
+
+    low = conftest._ephemeral_low()
+    random.seed(0)
+    first = [conftest.free_port() for _ in range(10)]
+    random.seed(0)
+    second = [conftest.free_port() for _ in range(10)]
+    assert first != second  # SystemRandom: two workers that seeded random alike still differ
+    for port in first + second:
+        assert 10000 <= port < low and not 29000 <= port < 30000, port
+    with socket.socket() as s:  # free when handed out
+        s.bind(("127.0.0.1", first[-1]))
