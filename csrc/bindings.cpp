@@ -61,6 +61,39 @@ core::CaptureFingerprint fingerprint_from_records(const py::list& records) {
   return f;
 }
 
+#ifdef PGD_WITH_CUDA
+// Launch `graphs` in order on the current stream without the GIL (torch binds
+// CUDAGraph.replay the same way); with a watchdog, time the launches (a launch
+// blocked by a full queue behind a dead peer is a timeout too) and, with
+// `arm`, record an event after them.
+void launch_watched(const std::vector<std::shared_ptr<at::cuda::CUDAGraph>>& graphs,
+                    const py::object& watchdog, const std::string& label, const std::string& collectives,
+                    bool arm) {
+  std::shared_ptr<ReplayWatchdog> wd =
+      watchdog.is_none() ? nullptr : watchdog.cast<std::shared_ptr<ReplayWatchdog>>();
+  py::gil_scoped_release no_gil;
+  if (wd) {
+    wd->launch_started(label, collectives);
+  }
+  try {
+    for (const auto& g : graphs) {
+      g->replay();
+    }
+  } catch (...) {
+    if (wd) {
+      wd->launch_finished();
+    }
+    throw;
+  }
+  if (wd) {
+    wd->launch_finished();
+    if (arm) {
+      wd->arm(label, collectives);
+    }
+  }
+}
+#endif
+
 void bind_core(py::module_& m) {
   py::class_<core::ParamSpec>(m, "ParamSpec")
       .def(py::init([](int64_t numel, int64_t element_size, int dtype, int device,
@@ -306,28 +339,7 @@ void bind_watchdog(py::module_& m) {
         for (const py::handle g : graphs) {
           gs.push_back(g.cast<std::shared_ptr<at::cuda::CUDAGraph>>());
         }
-        std::shared_ptr<ReplayWatchdog> wd =
-            watchdog.is_none() ? nullptr : watchdog.cast<std::shared_ptr<ReplayWatchdog>>();
-        py::gil_scoped_release no_gil;
-        if (wd) {
-          wd->launch_started(label, collectives);
-        }
-        try {
-          for (const auto& g : gs) {
-            g->replay();
-          }
-        } catch (...) {
-          if (wd) {
-            wd->launch_finished();
-          }
-          throw;
-        }
-        if (wd) {
-          wd->launch_finished();
-          if (arm) {
-            wd->arm(label, collectives);
-          }
-        }
+        launch_watched(gs, watchdog, label, collectives, arm);
       },
       py::arg("graphs"), py::arg("watchdog") = py::none(), py::arg("label") = "",
       py::arg("collectives") = "", py::arg("arm") = true,
@@ -352,31 +364,11 @@ void bind_watchdog(py::module_& m) {
         if (watch.state() != static_cast<std::string_view>(state)) {
           return py::none();
         }
-        auto g = graph.cast<std::shared_ptr<at::cuda::CUDAGraph>>();
-        std::shared_ptr<ReplayWatchdog> wd =
-            watchdog.is_none() ? nullptr : watchdog.cast<std::shared_ptr<ReplayWatchdog>>();
+        const std::vector<std::shared_ptr<at::cuda::CUDAGraph>> gs{
+            graph.cast<std::shared_ptr<at::cuda::CUDAGraph>>()};
         guard.copy_pending();
         watch.expose_grads();
-        {
-          py::gil_scoped_release no_gil;
-          if (wd) {
-            wd->launch_started(label, collectives);
-          }
-          try {
-            g->replay();
-          } catch (...) {
-            if (wd) {
-              wd->launch_finished();
-            }
-            throw;
-          }
-          if (wd) {
-            wd->launch_finished();
-            if (arm) {
-              wd->arm(label, collectives);
-            }
-          }
-        }
+        launch_watched(gs, watchdog, label, collectives, arm);
         return py::cast(hand_out_loss(loss));
       },
       py::arg("guard"), py::arg("watch"), py::arg("state"), py::arg("graph"),
