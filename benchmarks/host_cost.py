@@ -565,12 +565,15 @@ def environment(args) -> dict:
             "settings": {k: v for k, v in os.environ.items() if k.startswith("PYGRAPH_DIST_")}}
 
 
+# A launcher's variables, left out of the child processes' environment (one process each).
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def spans_child(args, modes: list[str]) -> list[dict]:
     """The breakdown: the pgd modes again in a process with spans on."""
     import tempfile
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env["PYGRAPH_DIST_HOST_SPANS"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "spans.json"

@@ -40,10 +40,11 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from host_cost import LAUNCHER_VARS  # noqa: E402 - the benchmark this drives
 HOST_COST = HERE / "host_cost.py"
 HAND_OF = {"pgd_tier1": "hand", "pgd_clip_in": "hand", "pgd_tier2": "hand_tier2", "pgd_clip": "hand_tier2",
            "pgd_accum4": "hand_tier2", "hand_tier2": "hand", "callables": "hand_tier2", "eager": "hand"}
-_LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def base_package(base: Path, scratch: Path) -> Path:
@@ -73,7 +74,7 @@ def one_pass(side: str, rnd: int, args, pythonpath: str | None, scratch: Path) -
     cmd = [sys.executable, str(HOST_COST), "--no-spans", "--no-plot", "--out-dir", str(scratch), "--name", name,
            "--layers", args.layers, "--modes", args.modes, "--steps", str(args.steps),
            "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else [])
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     probe = subprocess.run([sys.executable, "-c", "import pygraph_dist; print(pygraph_dist.__file__)"],

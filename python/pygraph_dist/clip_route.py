@@ -196,14 +196,15 @@ def parameters_of(parameters) -> tuple | None:
     local = frame.f_locals
     if local.get("recurse") is not True:
         return None
-    cached = getattr(local.get("self"), "__dict__", {}).get(_CACHE)
-    if cached is None:  # not remembered
+    module = local.get("self")
+    if _CACHE not in getattr(module, "__dict__", {}):  # not remembered
         return None
-    if cached[0] == _structure[0]:
+    params = cached_parameters(module)
+    if params is not None:
         parameters.close()
-        return cached[1]
+        return params
     params = tuple(parameters)
-    local["self"].__dict__[_CACHE] = (_structure[0], params)
+    module.__dict__[_CACHE] = (_structure[0], params)
     return params
 
 

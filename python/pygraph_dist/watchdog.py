@@ -143,20 +143,20 @@ class ReplayWatchdog:
             if arm:
                 self.after_replay(label, collectives)
             return
-        wd = self._ensure_native() if self.enabled and self.native else None
-        arm_now = False
-        if arm and wd is not None and not self._closed:
-            self._count += 1
-            arm_now = self._count % self.every == 0
+        if arm:  # counted as fused() counts; None: the Python-thread watchdog arms below
+            wd, arm_now = self.fused() or (None, False)
+        else:
+            wd, arm_now = self._ensure_native() if self.enabled and self.native else None, False
         replay_graphs(graphs, wd, label, collectives or "", arm_now)
         if arm and wd is None:  # the Python-thread watchdog (native=False), or none
             self.after_replay(label, collectives)
 
     def fused(self) -> tuple | None:
-        """For a launch the caller makes in C++ (``C.replay_owned``), counted as
-        :meth:`replay` counts one with ``arm=True``: (the native watchdog or
-        None, whether to arm it after the launch). None where the launch must
-        go through :meth:`replay` (the Python-thread watchdog)."""
+        """The arming schedule of a launch that ends an iteration (:meth:`replay`
+        with ``arm=True``, or ``C.replay_owned`` called by the engine): the
+        native watchdog or None, and whether to arm it after the launch (every
+        ``every``-th). None with the Python-thread watchdog, which
+        :meth:`after_replay` arms."""
         if not self.enabled:
             return None, False
         if not self.native:

@@ -203,7 +203,7 @@ def _run_ranks_once(case, tmp_path, *, world_size, timeout, kwargs, env, expect_
     for _, log in procs:
         log.close()
     logs = [(out_dir / f"rank{r}.log").read_text() for r in range(world_size)]
-    failed = died or [r for r, (p, _) in enumerate(procs) if p.returncode != 0]
+    failed = any(p.returncode != 0 for p, _ in procs)
     if (port_taken_fails and failed and str(port) in logs[0]
             and any(text in logs[0] for text in _PORT_TAKEN)):
         shutil.rmtree(out_dir, ignore_errors=True)
