@@ -268,8 +268,6 @@ def test_a_launch_whose_port_was_taken_is_retried_on_another(tmp_path, monkeypat
     and a parallel test can take it in between (seen on the GPU machine with xdist:
     EADDRINUSE at rank 0's store). Such a launch runs again on another port; a
     launch failing for any other reason is not retried."""
-    import socket
-
     import conftest
 
     taken = socket.socket()
@@ -295,7 +293,7 @@ def test_a_launch_whose_port_was_taken_is_retried_on_another(tmp_path, monkeypat
     assert len(handed) == 4, handed  # not a taken port: one launch, no second
 
 
-def test_free_port_stays_out_of_the_ephemeral_range(monkeypatch):
+def test_free_port_stays_out_of_the_ephemeral_range():
     """The harness's rendezvous ports come from below the kernel's ephemeral range
     (no outgoing connection is handed one while rank 0 starts), away from torch's
     default 29500, and not from the random module's state, which a test may seed."""
