@@ -22,7 +22,9 @@ the installed compiled extension when it has none of its own
     python benchmarks/host_cost_ab.py --base /tmp/base/python --rounds 4 \\
         --layers 8,250 --modes hand,pgd_tier1,hand_tier2,pgd_tier2
 
-Writes ``<name>.json`` (every pass's rows) and ``<name>.txt`` (the table).
+Writes ``<name>.json`` (every pass's rows) and ``<name>.txt`` (the table)
+after every round, so a run cut short keeps what it finished; ``--budget``
+starts no round that would not fit in that many seconds.
 ``--smoke`` runs the harness on a CPU (host_cost's own --smoke).
 """
 
@@ -166,29 +168,38 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU check of the harness (host_cost --smoke)")
     p.add_argument("--timeout", type=float, default=600, help="seconds one pass may take")
+    p.add_argument("--budget", type=float, default=0,
+                   help="seconds for the whole run: no round is started that would not fit (0: no limit)")
     p.add_argument("--out-dir", default=str(HERE / "results" / "tmp"))
     p.add_argument("--name", default=None, help="results file stem (default: host-cost-ab-<date>)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
-    with tempfile.TemporaryDirectory() as tmp:
-        scratch = Path(tmp)
-        base = base_package(Path(args.base).resolve(), scratch)
-        passes = []
-        for rnd in range(args.rounds):
-            passes.append(one_pass("base", rnd, args, str(base), scratch))
-            passes.append(one_pass("this", rnd, args, None, scratch))
-    if passes[0]["package"] == passes[1]["package"]:
-        raise SystemExit(f"both sides imported {passes[0]['package']}: --base did not take effect")
-    summary = summarise(passes)
-    text = table(summary, passes, args.base, args.rounds)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = args.name or time.strftime("host-cost-ab-%Y%m%d-%H%M%S")
     path = out_dir / f"{name}.json"
-    path.write_text(json.dumps({"base": args.base, "config": vars(args), "summary": summary, "passes": passes},
-                               indent=1))
-    path.with_suffix(".txt").write_text(text + "\n")
+    start = time.monotonic()
+    passes: list[dict] = []
+    text = ""
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        base = base_package(Path(args.base).resolve(), scratch)
+        for rnd in range(args.rounds):
+            spent = time.monotonic() - start
+            if args.budget and rnd and spent / rnd > args.budget - spent:
+                print(f"[host_cost_ab] stopping after {rnd} of {args.rounds} rounds: another round "
+                      f"(~{spent / rnd:.0f} s) would not fit in --budget {args.budget:.0f} s", file=sys.stderr)
+                break
+            passes.append(one_pass("base", rnd, args, str(base), scratch))
+            passes.append(one_pass("this", rnd, args, None, scratch))
+            if rnd == 0 and passes[0]["package"] == passes[1]["package"]:
+                raise SystemExit(f"both sides imported {passes[0]['package']}: --base did not take effect")
+            # Written after every round, so that a run cut short keeps the rounds it finished.
+            text = table(summarise(passes), passes, args.base, rnd + 1)
+            path.write_text(json.dumps({"base": args.base, "config": vars(args), "rounds_done": rnd + 1,
+                                        "summary": summarise(passes), "passes": passes}, indent=1))
+            path.with_suffix(".txt").write_text(text + "\n")
     print(text)
     print(f"[host_cost_ab] {len(passes)} passes -> {path}", file=sys.stderr)
     return 0

@@ -121,6 +121,26 @@ def test_host_cost_ab_alternates_base_and_this_tree(tmp_path):
         assert e["paired_diff_us"] == sum(e["paired_diffs_us"]) / 2  # the median of two
     text = (tmp_path / "ab.txt").read_text()
     assert "2 rounds alternated" in text and "pgd_tier1" in text
+    assert result["rounds_done"] == 2
+
+
+def test_host_cost_ab_keeps_the_rounds_that_fit_its_budget(tmp_path):
+    """--budget: no round starts that would not fit; what finished is written
+    (a device call cut short at its time limit used to lose every round)."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(ROOT / "python" / "pygraph_dist", base / "pygraph_dist",
+                    ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+    p = subprocess.run([sys.executable, "benchmarks/host_cost_ab.py", "--base", str(base), "--rounds", "5",
+                        "--budget", "1", "--smoke", "--steps", "2", "--modes", "pgd_tier1", "--out-dir",
+                        str(tmp_path), "--name", "ab"], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "stopping after 1 of 5 rounds" in p.stderr, p.stderr[-2000:]
+    result = json.loads((tmp_path / "ab.json").read_text())
+    assert result["rounds_done"] == 1 and len(result["passes"]) == 2
+    assert "1 rounds alternated" in (tmp_path / "ab.txt").read_text()
 
 
 def test_host_cost_ab_refuses_a_base_without_the_package(tmp_path):
