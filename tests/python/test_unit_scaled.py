@@ -3,6 +3,7 @@ loss's own backward (Accelerate divides by ``gradient_accumulation_steps``)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pygraph_dist.conformance import loss_edge, unit_scaled
@@ -55,8 +56,6 @@ def test_the_handed_out_loss_is_a_fresh_interior_tensor():
     spelling for an older extension): a copy of the graph's static loss that
     requires grad, is not a leaf (transformers' ``loss *= 1`` works), keeps the
     in-place check working, and has nothing behind its grad_fn."""
-    import pytest
-
     from pygraph_dist import engine
     from pygraph_dist._ext import C
 
@@ -98,3 +97,45 @@ def test_the_loss_of_a_tuple_output_is_its_one_0_dim_tensor():
     assert find_loss((loss, torch.tensor(0.5)), tuples=True) is None  # two candidates: none
     assert find_loss((logits, torch.tensor(3)), tuples=True) is None  # not floating point
     assert find_loss({"loss": loss, "aux": torch.tensor(0.1)}) is loss
+
+
+@pytest.mark.gpu
+def test_the_handed_out_loss_on_a_gpu_is_the_same_bytes_stream_ordered():
+    """csrc/hand_out.cpp's CUDA copy (one cudaMemcpyAsync on the current stream,
+    no dispatcher): the same bytes as clone() for every float dtype, the value
+    of the static loss when the copy was enqueued (a write enqueued after it on
+    the stream does not reach it), also on a side stream; a non-contiguous
+    tensor falls back to clone()."""
+    from pygraph_dist._ext import C
+
+    if not getattr(C, "cuda_enabled", False):
+        pytest.fail("pygraph_dist._C was built without CUDA code paths on a machine with a GPU")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        static = torch.tensor(2.718281828, device="cuda", dtype=dtype)
+        for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(2_000_000)  # the copy waits behind GPU work, then the overwrite
+                fresh = C.hand_out_loss(static)
+                static.fill_(7.0)
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            assert fresh.dtype == dtype and fresh.shape == () and fresh.device == static.device
+            assert fresh.requires_grad and not fresh.is_leaf and fresh.grad_fn is not None
+            expect = torch.tensor(2.718281828, device="cuda", dtype=dtype)
+            assert fresh.detach().reshape(1).view(torch.uint8).tolist() == \
+                expect.reshape(1).view(torch.uint8).tolist(), dtype
+            static.fill_(2.718281828)
+    wide = torch.randn(4, 6, device="cuda")
+    for src in (wide, wide.t()):  # contiguous: the raw copy; transposed: clone()
+        with torch.no_grad():
+            out = C.hand_out_loss(src)
+        assert torch.equal(out.detach(), src) and out.is_contiguous() and out.data_ptr() != src.data_ptr()
+    # fresh_copy (tier 2's outputs): clone()'s result, strides included, no autograd history.
+    images = torch.randn(2, 3, 5, 5, device="cuda")
+    for src in (wide, wide.t(), images, images.to(memory_format=torch.channels_last), wide.bfloat16(),
+                torch.randn(0, 3, device="cuda"), wide.requires_grad_()):
+        out = C.fresh_copy(src)
+        ref = src.detach().clone()
+        assert out.stride() == ref.stride() and out.dtype == ref.dtype and out.shape == ref.shape
+        assert torch.equal(out, ref) and not out.requires_grad and (out.numel() == 0 or out.data_ptr() != src.data_ptr())
