@@ -79,10 +79,16 @@ def one_pass(side: str, rnd: int, args, pythonpath: str | None, scratch: Path) -
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    probe = subprocess.run([sys.executable, "-c", "import pygraph_dist; print(pygraph_dist.__file__)"],
-                           env=env, capture_output=True, text=True, timeout=120)
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    pin = None
+    if args.cpus:
+        cpus = {int(c) for c in args.cpus.split(",")}
+        pin = lambda: os.sched_setaffinity(0, cpus)  # noqa: E731 - in the child, before exec
+    probe = subprocess.run([sys.executable, "-c", "import os, pygraph_dist; print(pygraph_dist.__file__); "
+                            "print(','.join(map(str, sorted(os.sched_getaffinity(0)))))"],
+                           env=env, capture_output=True, text=True, timeout=120, preexec_fn=pin)
+    package, _, cpus_seen = probe.stdout.strip().partition("\n")
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, preexec_fn=pin)
     out = scratch / f"{name}.json"
     if p.returncode not in (0, 1) or not out.exists():  # 1: a mode failed, its row says so
         raise RuntimeError(f"host_cost.py ({side}, round {rnd}) failed with exit code {p.returncode}:\n"
@@ -90,7 +96,7 @@ def one_pass(side: str, rnd: int, args, pythonpath: str | None, scratch: Path) -
     result = json.loads(out.read_text())
     print(f"[host_cost_ab] {side:4s} round {rnd + 1}/{args.rounds}: {time.perf_counter() - t0:.0f} s",
           file=sys.stderr)
-    return {"side": side, "round": rnd, "package": probe.stdout.strip(),
+    return {"side": side, "round": rnd, "package": package, "cpus": cpus_seen,
             "environment": result["environment"], "rows": result["rows"]}
 
 
@@ -168,6 +174,10 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU check of the harness (host_cost --smoke)")
     p.add_argument("--timeout", type=float, default=600, help="seconds one pass may take")
+    p.add_argument("--cpus", default="",
+                   help="comma-separated CPU ids every pass is pinned to (sched_setaffinity), so that both sides "
+                        "run on the same cores: a pass moved between cores or frequency domains was 2-3x "
+                        "slower than its neighbours on the shared H100 host (session 37)")
     p.add_argument("--budget", type=float, default=0,
                    help="seconds for the whole run: no round is started that would not fit (0: no limit)")
     p.add_argument("--out-dir", default=str(HERE / "results" / "tmp"))

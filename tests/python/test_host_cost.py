@@ -132,14 +132,18 @@ def test_host_cost_ab_keeps_the_rounds_that_fit_its_budget(tmp_path):
     base = tmp_path / "base"
     shutil.copytree(ROOT / "python" / "pygraph_dist", base / "pygraph_dist",
                     ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+    import os
+
+    cpu = sorted(os.sched_getaffinity(0))[0]  # --cpus: each pass pinned there
     p = subprocess.run([sys.executable, "benchmarks/host_cost_ab.py", "--base", str(base), "--rounds", "5",
-                        "--budget", "1", "--smoke", "--steps", "2", "--modes", "pgd_tier1", "--out-dir",
+                        "--budget", "1", "--cpus", str(cpu), "--smoke", "--steps", "2", "--modes", "pgd_tier1", "--out-dir",
                         str(tmp_path), "--name", "ab"], cwd=ROOT, env=child_env(), capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "stopping after 1 of 5 rounds" in p.stderr, p.stderr[-2000:]
     result = json.loads((tmp_path / "ab.json").read_text())
     assert result["rounds_done"] == 1 and len(result["passes"]) == 2
+    assert [x["cpus"] for x in result["passes"]] == [str(cpu)] * 2  # the pin reached the children
     assert "1 rounds alternated" in (tmp_path / "ab.txt").read_text()
 
 
