@@ -62,6 +62,13 @@ Columns (times per optimizer step, after --warmup steps):
   kernels     --kernels only: GPU operations (kernels, memcpy, memset) per step
               and their summed GPU time (us), torch.profiler over 5 steps
 
+By user call (every mode but hand; a third pass, spans off): the host p50 of
+the model call, optimizer.step() and zero_grad() each, through thin proxies
+around the loop's model and optimizer, and of the rest of the step (the
+user's loss, backward(), a clip: the step minus those calls). It says where
+a loop's time goes without a profiler (session 37: the model call is most of
+tier 1's, backward() most of tier 2's).
+
 Breakdown (pgd modes; a second process with PYGRAPH_DIST_HOST_SPANS=1, see
 python/pygraph_dist/spans.py): each phase's *exclusive* host time per step,
 in us, measured with perf_counter_ns spans around the engine's functions
@@ -377,6 +384,8 @@ def measure(mode: Mode, steps: int, warmup: int, spans=None) -> dict:
         sync(dev)
     row = {"wall_ms": wall * 1e3, "host_us": statistics.fmean(host) * 1e6,
            "host_p50_us": statistics.median(host) * 1e6}
+    if getattr(mode, "fn", None) is not None and spans is None:
+        row["calls_us"] = by_call(mode, steps)
     if spans is not None:
         snap = spans.snapshot()
         phases = {p: v["ns"] / steps / 1e3 for p, v in snap.items() if v["calls"]}
@@ -384,6 +393,57 @@ def measure(mode: Mode, steps: int, warmup: int, spans=None) -> dict:
         row["phase_calls"] = {p: v["calls"] / steps for p, v in snap.items() if v["calls"]}
         row["phases_us"]["outside spans"] = max(0.0, row["host_us"] - sum(phases.values()))
     return row
+
+
+class _Timed:
+    """A thin proxy around the loop's model or optimizer: the host time of each
+    call of ``timed`` (its name -> a list in ``into``), every other attribute
+    passed through (model.parameters(), model.no_sync(), ...)."""
+
+    def __init__(self, target, into: dict, **timed: str) -> None:
+        self._target, self._into, self._timed = target, into, timed
+
+    def __call__(self, *args, **kwargs):
+        return self._time("__call__", self._target, args, kwargs)
+
+    def __getattr__(self, name):
+        attr = getattr(self._target, name)
+        if name not in self._timed:
+            return attr
+        return lambda *args, **kwargs: self._time(name, attr, args, kwargs)
+
+    def _time(self, name, fn, args, kwargs):
+        t = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._into.setdefault(self._timed[name], []).append(time.perf_counter_ns() - t)
+
+
+CALLS = ("model call", "optimizer.step()", "zero_grad()", "the rest")
+
+
+def by_call(mode: Mode, steps: int) -> dict:
+    """Host us per step of each user call of the loop (p50 over ``steps`` steps,
+    GPU synchronised between steps, as the host pass): the model call, the
+    optimizer's step() and zero_grad(), and the rest of the step (the user's
+    loss, backward(), a clip), which is the step's time minus those calls. A
+    third pass, through :class:`_Timed` proxies (well under 1 us a call)."""
+    times: dict[str, list[int]] = {}
+    model = _Timed(mode.model, times, __call__="model call")
+    opt = _Timed(mode.opt, times, step="optimizer.step()", zero_grad="zero_grad()")
+    batches, dev = mode.batches, mode.dev
+    for i in range(steps):
+        x, y = batches[i % len(batches)]
+        before = {k: len(v) for k, v in times.items()}
+        t = time.perf_counter_ns()
+        mode.fn(model, opt, x, y)
+        total = time.perf_counter_ns() - t
+        mine = sum(sum(v[before.get(k, 0):]) for k, v in times.items() if k != "the rest")
+        times.setdefault("the rest", []).append(total - mine)
+        sync(dev)
+    # Per step: a call made k times a step (micro-batches) counts k times.
+    return {k: statistics.median(v) / 1e3 * (len(v) / steps) for k, v in times.items() if v}
 
 
 def gpu_ops(mode: Mode, n: int = 5) -> dict:
@@ -499,6 +559,13 @@ def table(rows: list[dict], env: dict) -> str:
             vals = [r["phases_us"].get(p) if p != "total (spans on)" else r.get("spans_host_us", r["host_us"])
                     for r in broken]
             lines.append(f"{p:<18}" + "".join(f"{fmt(v, '>14.1f'):>14}" for v in vals))
+    called = [r for r in rows if r.get("calls_us")]
+    if called:
+        lines += ["", "host us per step by user call (p50; a third pass through thin proxies; the rest = "
+                  "the step minus those calls: the user's loss, backward(), a clip):"]
+        lines.append(f"{'call':<18}" + "".join(f"{r['mode'] + '/' + str(r['params']):>14}" for r in called))
+        for c in CALLS:
+            lines.append(f"{c:<18}" + "".join(f"{fmt(r['calls_us'].get(c), '>14.1f'):>14}" for r in called))
     lines += ["", "columns: params = parameter tensors; wall ms = back-to-back steps, synchronised at the ends; "
               "host us = mean perf_counter around one step, GPU synchronised (untimed) between steps; "
               "+hand/+tier1 = host us minus the hand recipe's / tier 1's (same model); +floor = tier 2's "

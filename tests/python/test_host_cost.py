@@ -70,6 +70,11 @@ def test_host_cost_smoke(tmp_path):
     for mode, r in rows.items():
         assert r["status"] == "ok", r
         assert r["params"] == 6 and r["wall_ms"] > 0 and r["host_us"] > 0 and r["host_p50_us"] > 0
+        calls = r["calls_us"]  # the third pass: each user call of the loop on its own
+        assert set(calls) == {"model call", "optimizer.step()", "zero_grad()", "the rest"}, (mode, calls)
+        assert all(v > 0 for v in calls.values()), (mode, calls)  # the rest: the loss and backward()
+        # pgd_accum4 calls the model 4 times a step: its per-step time is 4 calls' (the p50 x 4).
+        assert calls["model call"] < 4 * r["host_us"]
         if mode == "eager":
             assert "phases_us" not in r
             continue
@@ -89,6 +94,7 @@ def test_host_cost_smoke(tmp_path):
     assert rows["pgd_tier2"]["host_vs_tier1_us"] == pytest.approx(
         rows["pgd_tier2"]["host_us"] - rows["pgd_tier1"]["host_us"])
     assert "host us" in p.stdout and "by phase" in p.stdout  # the table, with its breakdown
+    assert "by user call" in p.stdout
     png = tmp_path / "smoke.png"
     if png.exists():  # matplotlib present
         assert png.stat().st_size > 1000
