@@ -361,7 +361,7 @@ def sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
-def measure(mode: Mode, steps: int, warmup: int, spans=None) -> dict:
+def measure(mode: Mode, steps: int, warmup: int, spans=None, calls: bool = True) -> dict:
     """Wall and host time per step of one mode (see the module docstring)."""
     batches, dev = mode.batches, mode.dev
     for i in range(warmup):
@@ -384,7 +384,7 @@ def measure(mode: Mode, steps: int, warmup: int, spans=None) -> dict:
         sync(dev)
     row = {"wall_ms": wall * 1e3, "host_us": statistics.fmean(host) * 1e6,
            "host_p50_us": statistics.median(host) * 1e6}
-    if getattr(mode, "fn", None) is not None and spans is None:
+    if getattr(mode, "fn", None) is not None and spans is None and calls:
         row["calls_us"] = by_call(mode, steps)
     if spans is not None:
         snap = spans.snapshot()
@@ -424,12 +424,14 @@ CALLS = ("model call", "optimizer.step()", "zero_grad()", "the rest")
 
 
 def by_call(mode: Mode, steps: int) -> dict:
-    """Host us per step of each user call of the loop (p50 over ``steps`` steps,
-    GPU synchronised between steps, as the host pass): the model call, the
-    optimizer's step() and zero_grad(), and the rest of the step (the user's
-    loss, backward(), a clip), which is the step's time minus those calls. A
-    third pass, through :class:`_Timed` proxies (well under 1 us a call)."""
-    times: dict[str, list[int]] = {}
+    """Host us per step of each user call of the loop (the p50 over ``steps``
+    steps of each step's sum, GPU synchronised between steps, as the host
+    pass): the model call (all micro-batches' calls), the optimizer's step()
+    and zero_grad(), and the rest of the step (the user's loss, backward(), a
+    clip), which is the step's time minus those calls. A third pass, through
+    :class:`_Timed` proxies (well under 1 us a call)."""
+    times: dict[str, list[int]] = {}  # every call's ns, by name
+    per_step: dict[str, list[int]] = {c: [] for c in CALLS}  # each step's sum, by name
     model = _Timed(mode.model, times, __call__="model call")
     opt = _Timed(mode.opt, times, step="optimizer.step()", zero_grad="zero_grad()")
     batches, dev = mode.batches, mode.dev
@@ -439,11 +441,11 @@ def by_call(mode: Mode, steps: int) -> dict:
         t = time.perf_counter_ns()
         mode.fn(model, opt, x, y)
         total = time.perf_counter_ns() - t
-        mine = sum(sum(v[before.get(k, 0):]) for k, v in times.items() if k != "the rest")
-        times.setdefault("the rest", []).append(total - mine)
+        for c in CALLS[:-1]:  # a call made k times a step (micro-batches): the k calls' sum
+            per_step[c].append(sum(times.get(c, [])[before.get(c, 0):]))
+        per_step["the rest"].append(total - sum(per_step[c][-1] for c in CALLS[:-1]))
         sync(dev)
-    # Per step: a call made k times a step (micro-batches) counts k times.
-    return {k: statistics.median(v) / 1e3 * (len(v) / steps) for k, v in times.items() if v}
+    return {c: statistics.median(v) / 1e3 for c, v in per_step.items() if any(v)}
 
 
 def gpu_ops(mode: Mode, n: int = 5) -> dict:
@@ -480,7 +482,7 @@ def run_all(args, modes: list[str], spans=None) -> list[dict]:
             try:
                 mode.setup()
                 row["params"] = mode.n_params
-                row.update(measure(mode, args.steps, args.warmup, spans))
+                row.update(measure(mode, args.steps, args.warmup, spans, calls=not args.no_calls))
                 if name in ("pgd_clip", "pgd_clip_in"):  # the clip modes' own model.parameters()
                     row["parameters_us"] = parameters_us(mode.model)
                 if args.kernels and dev.type == "cuda":
@@ -662,6 +664,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=20, help="steps before timing (pgd: probe, warm-up, capture)")
     p.add_argument("--kernels", action="store_true", help="also count GPU ops per step (torch.profiler, CUDA)")
     p.add_argument("--no-spans", action="store_true", help="skip the per-phase breakdown (second process)")
+    p.add_argument("--no-calls", action="store_true", help="skip the by-user-call pass (a third pass per mode)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU check of the harness: eager and pgd (graphs unavailable), 2 layers, 5 steps")
     p.add_argument("--out-dir", default=str(HERE / "results" / "tmp"))

@@ -80,13 +80,12 @@ def one_pass(side: str, rnd: int, args, pythonpath: str | None, scratch: Path) -
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.perf_counter()
-    pin = None
-    if args.cpus:
-        cpus = {int(c) for c in args.cpus.split(",")}
-        pin = lambda: os.sched_setaffinity(0, cpus)  # noqa: E731 - in the child, before exec
+    pin = (lambda: os.sched_setaffinity(0, args.cpu_set)) if args.cpu_set else None  # in the child, before exec
     probe = subprocess.run([sys.executable, "-c", "import os, pygraph_dist; print(pygraph_dist.__file__); "
                             "print(','.join(map(str, sorted(os.sched_getaffinity(0)))))"],
                            env=env, capture_output=True, text=True, timeout=120, preexec_fn=pin)
+    if probe.returncode != 0:
+        raise RuntimeError(f"the {side} side cannot import pygraph_dist:\n{probe.stderr[-3000:]}")
     package, _, cpus_seen = probe.stdout.strip().partition("\n")
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, preexec_fn=pin)
     out = scratch / f"{name}.json"
@@ -163,6 +162,13 @@ def table(summary: list[dict], passes: list[dict], base: str, rounds: int) -> st
     return "\n".join(lines)
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` whole: a run killed while writing leaves the previous round's file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="host_cost.py for another revision's Python and this tree, "
                                 "alternated in one run (see the module docstring)")
@@ -189,7 +195,17 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     name = args.name or time.strftime("host-cost-ab-%Y%m%d-%H%M%S")
     path = out_dir / f"{name}.json"
+    args.cpu_set = set()
+    if args.cpus:
+        try:
+            args.cpu_set = {int(c) for c in args.cpus.split(",")}
+        except ValueError:
+            raise SystemExit(f"--cpus {args.cpus!r}: give CPU ids, e.g. --cpus 4,5") from None
+        if not args.cpu_set <= os.sched_getaffinity(0):
+            raise SystemExit(f"--cpus {args.cpus}: CPU(s) {sorted(args.cpu_set - os.sched_getaffinity(0))} are not "
+                             f"available to this process (it may use {sorted(os.sched_getaffinity(0))})")
     start = time.monotonic()
+    longest = 0.0  # the longest round so far: the next one is assumed to take as long
     passes: list[dict] = []
     text = ""
     with tempfile.TemporaryDirectory() as tmp:
@@ -197,19 +213,22 @@ def main(argv=None) -> int:
         base = base_package(Path(args.base).resolve(), scratch)
         for rnd in range(args.rounds):
             spent = time.monotonic() - start
-            if args.budget and rnd and spent / rnd > args.budget - spent:
+            if args.budget and rnd and longest > args.budget - spent:
                 print(f"[host_cost_ab] stopping after {rnd} of {args.rounds} rounds: another round "
-                      f"(~{spent / rnd:.0f} s) would not fit in --budget {args.budget:.0f} s", file=sys.stderr)
+                      f"(up to {longest:.0f} s) would not fit in --budget {args.budget:.0f} s", file=sys.stderr)
                 break
+            t_round = time.monotonic()
             passes.append(one_pass("base", rnd, args, str(base), scratch))
             passes.append(one_pass("this", rnd, args, None, scratch))
+            longest = max(longest, time.monotonic() - t_round)
             if rnd == 0 and passes[0]["package"] == passes[1]["package"]:
                 raise SystemExit(f"both sides imported {passes[0]['package']}: --base did not take effect")
             # Written after every round, so that a run cut short keeps the rounds it finished.
             text = table(summarise(passes), passes, args.base, rnd + 1)
-            path.write_text(json.dumps({"base": args.base, "config": vars(args), "rounds_done": rnd + 1,
-                                        "summary": summarise(passes), "passes": passes}, indent=1))
-            path.with_suffix(".txt").write_text(text + "\n")
+            config = {k: v for k, v in vars(args).items() if k != "cpu_set"}
+            write_atomic(path, json.dumps({"base": args.base, "config": config, "rounds_done": rnd + 1,
+                                           "summary": summarise(passes), "passes": passes}, indent=1))
+            write_atomic(path.with_suffix(".txt"), text + "\n")
     print(text)
     print(f"[host_cost_ab] {len(passes)} passes -> {path}", file=sys.stderr)
     return 0

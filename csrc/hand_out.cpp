@@ -42,24 +42,35 @@ NodePtr make_node() {
 
 }  // namespace
 
-// The copy itself: for a contiguous CUDA tensor, an allocation from the
-// caching allocator and one cudaMemcpyAsync on the current stream, without
-// the dispatcher and TensorIterator that clone() goes through (~half of the
-// hand-out's host time, issue 26); the same bytes either way.
-at::Tensor copy_of(const at::Tensor& loss, at::MemoryFormat fallback) {
+// The copy itself, as clone(format) makes it: for a plain CUDA tensor whose
+// elements fill one span of memory, an allocation from the caching allocator
+// and one cudaMemcpyAsync of that span on the current stream, without the
+// dispatcher and TensorIterator that clone() goes through (session 37: no
+// host gain measurable on the shared H100 host; the same bytes either way).
+// clone(Contiguous) of a contiguous tensor has row-major strides, and
+// clone(Preserve) of a non-overlapping, dense one has its source's strides
+// (channels_last, transposed, size-1 dimensions included), so both are kept;
+// anything else (sparse, conj/neg bits, no storage) is clone().
+at::Tensor copy_of(const at::Tensor& t, at::MemoryFormat format) {
 #ifdef PGD_WITH_CUDA
-  if (loss.is_cuda() && loss.is_contiguous() && !loss.is_conj() && !loss.is_neg()) {
-    const c10::cuda::CUDAGuard guard(loss.device());
-    at::Tensor out = at::detail::empty_cuda(loss.sizes(), loss.scalar_type(), loss.device(), std::nullopt);
-    const size_t nbytes = loss.numel() * loss.element_size();
+  const bool plain = t.is_cuda() && t.layout() == at::kStrided && t.has_storage() && !t._is_zerotensor() &&
+                     !t.is_conj() && !t.is_neg();
+  const bool preserve = format == at::MemoryFormat::Preserve;
+  if (plain && (preserve ? t.is_non_overlapping_and_dense() : t.is_contiguous())) {
+    const c10::cuda::CUDAGuard guard(t.device());
+    at::Tensor out = preserve ? at::detail::empty_strided_cuda(t.sizes(), t.strides(), t.scalar_type(), t.device())
+                              : at::detail::empty_cuda(t.sizes(), t.scalar_type(), t.device(), std::nullopt);
+    // Dense and non-overlapping, with strides >= 0: the elements are the
+    // numel() slots from the first one, in both tensors alike.
+    const size_t nbytes = t.numel() * t.element_size();
     if (nbytes > 0) {
-      C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), loss.const_data_ptr(), nbytes, cudaMemcpyDeviceToDevice,
-                                     c10::cuda::getCurrentCUDAStream(loss.device().index()).stream()));
+      C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), t.const_data_ptr(), nbytes, cudaMemcpyDeviceToDevice,
+                                     c10::cuda::getCurrentCUDAStream(t.device().index()).stream()));
     }
     return out;
   }
 #endif
-  return loss.detach().clone(fallback);
+  return t.detach().clone(format);
 }
 
 at::Tensor hand_out_loss(const at::Tensor& loss) {

@@ -13,10 +13,10 @@ namespace pgd {
 // two copies and four dispatches, ~20 us of host time per step (issue 26).
 at::Tensor hand_out_loss(const at::Tensor& loss);
 
-// A copy of `t` with no autograd history: for a contiguous CUDA tensor an
+// t.detach().clone(format), made for a plain dense CUDA tensor with an
 // allocation and one cudaMemcpyAsync on the current stream (no dispatcher, no
-// TensorIterator); otherwise t.detach().clone(fallback).
-at::Tensor copy_of(const at::Tensor& t, at::MemoryFormat fallback);
+// TensorIterator): the same values, dtype, shape and strides.
+at::Tensor copy_of(const at::Tensor& t, at::MemoryFormat format);
 
 void bind_hand_out(pybind11::module_& m);
 

@@ -73,7 +73,7 @@ def test_host_cost_smoke(tmp_path):
         calls = r["calls_us"]  # the third pass: each user call of the loop on its own
         assert set(calls) == {"model call", "optimizer.step()", "zero_grad()", "the rest"}, (mode, calls)
         assert all(v > 0 for v in calls.values()), (mode, calls)  # the rest: the loss and backward()
-        # pgd_accum4 calls the model 4 times a step: its per-step time is 4 calls' (the p50 x 4).
+        # Per step: pgd_accum4's model call is the sum of its 4 micro-batch calls.
         assert calls["model call"] < 4 * r["host_us"]
         if mode == "eager":
             assert "phases_us" not in r
@@ -157,3 +157,13 @@ def test_host_cost_ab_refuses_a_base_without_the_package(tmp_path):
     p = subprocess.run([sys.executable, "benchmarks/host_cost_ab.py", "--base", str(tmp_path), "--smoke"],
                        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "no pygraph_dist package there" in p.stderr, p.stderr[-2000:]
+
+
+def test_host_cost_ab_refuses_cpus_it_cannot_use(tmp_path):
+    import os
+
+    bad = max(os.sched_getaffinity(0)) + 1000
+    p = subprocess.run([sys.executable, "benchmarks/host_cost_ab.py", "--base", str(ROOT / "python"), "--smoke",
+                        "--cpus", str(bad), "--out-dir", str(tmp_path)],
+                       cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and f"CPU(s) [{bad}] are not available" in p.stderr, p.stderr[-2000:]

@@ -103,19 +103,23 @@ def test_the_loss_of_a_tuple_output_is_its_one_0_dim_tensor():
 def test_the_handed_out_loss_on_a_gpu_is_the_same_bytes_stream_ordered():
     """csrc/hand_out.cpp's CUDA copy (one cudaMemcpyAsync on the current stream,
     no dispatcher): the same bytes as clone() for every float dtype, the value
-    of the static loss when the copy was enqueued (a write enqueued after it on
-    the stream does not reach it), also on a side stream; a non-contiguous
-    tensor falls back to clone()."""
+    of the static loss at the copy's place in the current stream (the current
+    or a side stream, behind GPU work); fresh_copy keeps clone()'s strides
+    (channels_last, transposed, size-1 dimensions, an offset) and falls back
+    to clone() where the elements are not one dense span."""
     from pygraph_dist._ext import C
 
     if not getattr(C, "cuda_enabled", False):
         pytest.fail("pygraph_dist._C was built without CUDA code paths on a machine with a GPU")
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        static = torch.tensor(2.718281828, device="cuda", dtype=dtype)
+        static = torch.tensor(0.5, device="cuda", dtype=dtype)
         for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                torch.cuda._sleep(2_000_000)  # the copy waits behind GPU work, then the overwrite
+                torch.cuda._sleep(2_000_000)
+                # Enqueued behind the sleep: a copy made on any other stream (or
+                # at once) would read 0.5; one made after the overwrite, 7.0.
+                static.fill_(2.718281828)
                 fresh = C.hand_out_loss(static)
                 static.fill_(7.0)
             torch.cuda.current_stream().wait_stream(stream)
@@ -125,7 +129,7 @@ def test_the_handed_out_loss_on_a_gpu_is_the_same_bytes_stream_ordered():
             expect = torch.tensor(2.718281828, device="cuda", dtype=dtype)
             assert fresh.detach().reshape(1).view(torch.uint8).tolist() == \
                 expect.reshape(1).view(torch.uint8).tolist(), dtype
-            static.fill_(2.718281828)
+            static.fill_(0.5)
     wide = torch.randn(4, 6, device="cuda")
     for src in (wide, wide.t()):  # contiguous: the raw copy; transposed: clone()
         with torch.no_grad():
@@ -133,8 +137,10 @@ def test_the_handed_out_loss_on_a_gpu_is_the_same_bytes_stream_ordered():
         assert torch.equal(out.detach(), src) and out.is_contiguous() and out.data_ptr() != src.data_ptr()
     # fresh_copy (tier 2's outputs): clone()'s result, strides included, no autograd history.
     images = torch.randn(2, 3, 5, 5, device="cuda")
-    for src in (wide, wide.t(), images, images.to(memory_format=torch.channels_last), wide.bfloat16(),
-                torch.randn(0, 3, device="cuda"), wide.requires_grad_()):
+    pooled = torch.randn(2, 8, 1, 1, device="cuda").to(memory_format=torch.channels_last)  # strides (8, 1, 8, 8)
+    for src in (wide, wide.t(), wide[1:], wide[:, ::2], images, images.to(memory_format=torch.channels_last),
+                pooled, torch.randn(1, 4, device="cuda").t(), torch.empty(0, 3, device="cuda").t(),
+                wide.bfloat16(), torch.randn(0, 3, device="cuda"), wide.requires_grad_()):
         out = C.fresh_copy(src)
         ref = src.detach().clone()
         assert out.stride() == ref.stride() and out.dtype == ref.dtype and out.shape == ref.shape
