@@ -22,6 +22,16 @@ the installed compiled extension when it has none of its own
     python benchmarks/host_cost_ab.py --base /tmp/base/python --rounds 4 \\
         --layers 8,250 --modes hand,pgd_tier1,hand_tier2,pgd_tier2
 
+``--interleave BLOCKS`` measures finer: one long-lived process per side
+(``host_cost_worker.py``) sets every mode up once, then the sides take turns
+block by block (``--steps`` steps a block, base-this then this-base), so
+that two sides' blocks are seconds apart and a slow minute of the host
+falls on both. Each block counts as a round in the summary. It is the way
+to resolve changes of a few tens of microseconds on a shared host:
+
+    python benchmarks/host_cost_ab.py --base /tmp/base/python --interleave 40 \\
+        --steps 200 --layers 8,250 --modes hand,pgd_tier1 --cpus 4,5
+
 Writes ``<name>.json`` (every pass's rows) and ``<name>.txt`` (the table)
 after every round, so a run cut short keeps what it finished; ``--budget``
 starts no round that would not fit in that many seconds.
@@ -137,10 +147,12 @@ def summarise(passes: list[dict]) -> list[dict]:
     return out
 
 
-def table(summary: list[dict], passes: list[dict], base: str, rounds: int) -> str:
+def table(summary: list[dict], passes: list[dict], base: str, rounds: int, blocks: bool = False) -> str:
     env = passes[0]["environment"]
-    lines = [f"host cost A/B: this tree vs {base}; {env['device']}; torch {env['torch']}; "
-             f"{rounds} rounds alternated (base first), {env['steps']} steps after {env['warmup']} per pass",
+    how = (f"{rounds} blocks of {env['steps']} steps interleaved (base-this, then this-base), one process per "
+           f"side, each mode set up once ({env['warmup']} steps)" if blocks else
+           f"{rounds} rounds alternated (base first), {env['steps']} steps after {env['warmup']} per pass")
+    lines = [f"host cost A/B: this tree vs {base}; {env['device']}; torch {env['torch']}; {how}",
              "host us per step: medians over rounds of each pass's p50; paired = median of (this - base) per round; "
              "+hand = over the hand recipe of the same pass",
              f"{'mode':12s} {'params':>6s} {'base':>8s} {'this':>8s} {'paired':>8s} {'faster':>7s} "
@@ -162,6 +174,99 @@ def table(summary: list[dict], passes: list[dict], base: str, rounds: int) -> st
     return "\n".join(lines)
 
 
+class Worker:
+    """One side's host_cost_worker.py process (--interleave)."""
+
+    def __init__(self, side: str, pythonpath: str | None, args, log: Path) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.side, self.timeout, self.log = side, args.timeout, log
+        pin = (lambda: os.sched_setaffinity(0, args.cpu_set)) if args.cpu_set else None
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "host_cost_worker.py"), "--steps", str(args.steps),
+             "--warmup", str(args.warmup)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env,
+            preexec_fn=pin)
+
+    def ask(self, **req) -> dict:
+        import select
+
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + self.timeout
+        while True:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = self.proc.stdout.readline() if ready else ""
+            if not line:
+                why = "did not answer in time" if not ready else f"exited ({self.proc.poll()})"
+                raise RuntimeError(f"the {self.side} worker {why} at {req}:\n{self.log.read_text()[-3000:]}")
+            if line.startswith("REPLY "):
+                reply = json.loads(line[len("REPLY "):])
+                if not reply.get("ok"):
+                    raise RuntimeError(f"the {self.side} worker failed at {req}: {reply.get('error')}")
+                return reply
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+def interleave(args, base: Path, scratch: Path, path: Path) -> tuple[list[dict], str]:
+    """--interleave: both sides' workers set every mode up once, then measure
+    blocks of --steps steps, base-this in even blocks and this-base in odd
+    ones. Each block is written as a "pass" of its side (round = block), so
+    the summary and the table are the rounds' own."""
+    layers = [int(x) for x in args.layers.split(",") if x]
+    modes = [m for m in args.modes.split(",") if m]
+    # hand_tier2 last in its process (host_cost_worker.py's docstring says why)
+    plan = [(m, n) for n in layers for m in modes if m != "hand_tier2"]
+    plan += [("hand_tier2", n) for n in layers if "hand_tier2" in modes]
+    workers = {"base": Worker("base", str(base), args, scratch / "base.log"),
+               "this": Worker("this", None, args, scratch / "this.log")}
+    try:
+        hello = {side: w.ask(cmd="hello") for side, w in workers.items()}
+        if hello["base"]["package"] == hello["this"]["package"]:
+            raise SystemExit(f"both sides imported {hello['base']['package']}: --base did not take effect")
+        params = {}
+        for side, w in workers.items():
+            t0 = time.monotonic()
+            for m, n in plan:
+                params[(m, n)] = w.ask(cmd="setup", mode=m, layers=n, warmup=args.warmup)["params"]
+            print(f"[host_cost_ab] {side} worker: {len(plan)} modes set up in {time.monotonic() - t0:.0f} s",
+                  file=sys.stderr)
+        start, passes, text = time.monotonic(), [], ""
+        for block in range(args.interleave):
+            spent = time.monotonic() - start
+            if args.budget and block and spent / block > args.budget - spent:
+                print(f"[host_cost_ab] stopping after {block} of {args.interleave} blocks (--budget)", file=sys.stderr)
+                break
+            rows = {"base": [], "this": []}
+            for m, n in plan:
+                for side in (("base", "this") if block % 2 == 0 else ("this", "base")):
+                    r = workers[side].ask(cmd="measure", mode=m, layers=n, steps=args.steps)
+                    rows[side].append({"mode": m, "params": params[(m, n)], "status": "ok",
+                                       "host_p50_us": r["p50_us"], "host_us": r["mean_us"]})
+            for side in ("base", "this"):
+                passes.append({"side": side, "round": block, "package": hello[side]["package"],
+                               "cpus": ",".join(map(str, sorted(args.cpu_set))),
+                               "environment": hello[side]["environment"], "rows": rows[side]})
+            text = table(summarise(passes), passes, args.base, block + 1, blocks=True)
+            config = {k: v for k, v in vars(args).items() if k != "cpu_set"}
+            write_atomic(path, json.dumps({"base": args.base, "config": config, "rounds_done": block + 1,
+                                           "summary": summarise(passes), "passes": passes}, indent=1))
+            write_atomic(path.with_suffix(".txt"), text + "\n")
+        return passes, text
+    finally:
+        for w in workers.values():
+            w.close()
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Replace ``path`` whole: a run killed while writing leaves the previous round's file."""
     tmp = path.with_name(path.name + ".tmp")
@@ -180,6 +285,10 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU check of the harness (host_cost --smoke)")
     p.add_argument("--timeout", type=float, default=600, help="seconds one pass may take")
+    p.add_argument("--interleave", type=int, default=0, metavar="BLOCKS",
+                   help="instead of --rounds of whole passes: one long-lived process per side "
+                        "(host_cost_worker.py), every mode set up once, then BLOCKS blocks of --steps steps, "
+                        "the sides alternating block by block (on a machine without a GPU: the pgd modes on its CPU)")
     p.add_argument("--cpus", default="",
                    help="comma-separated CPU ids every pass is pinned to (sched_setaffinity), so that both sides "
                         "run on the same cores: a pass moved between cores or frequency domains was 2-3x "
@@ -211,6 +320,11 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         base = base_package(Path(args.base).resolve(), scratch)
+        if args.interleave:
+            passes, text = interleave(args, base, scratch, path)
+            print(text)
+            print(f"[host_cost_ab] {len(passes) // 2} blocks -> {path}", file=sys.stderr)
+            return 0
         for rnd in range(args.rounds):
             spent = time.monotonic() - start
             if args.budget and rnd and longest > args.budget - spent:

@@ -167,3 +167,31 @@ def test_host_cost_ab_refuses_cpus_it_cannot_use(tmp_path):
                         "--cpus", str(bad), "--out-dir", str(tmp_path)],
                        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and f"CPU(s) [{bad}] are not available" in p.stderr, p.stderr[-2000:]
+
+
+def test_host_cost_ab_interleaves_blocks_of_two_long_lived_workers(tmp_path):
+    """--interleave: one host_cost_worker.py per side, each mode set up once,
+    then blocks alternating base-this / this-base; every block is a round of
+    the summary, and each side's blocks came from its own package."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(ROOT / "python" / "pygraph_dist", base / "pygraph_dist",
+                    ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+    p = subprocess.run([sys.executable, "benchmarks/host_cost_ab.py", "--base", str(base), "--interleave", "4",
+                        "--smoke", "--steps", "3", "--warmup", "6", "--layers", "2", "--modes", "pgd_tier1,pgd_tier2",
+                        "--out-dir", str(tmp_path), "--name", "ab"], cwd=ROOT, env=child_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads((tmp_path / "ab.json").read_text())
+    passes = result["passes"]
+    assert result["rounds_done"] == 4 and [(x["side"], x["round"]) for x in passes] == [
+        (side, b) for b in range(4) for side in ("base", "this")]
+    assert all("base/pygraph_dist" in x["package"] for x in passes if x["side"] == "base")
+    assert not any("base/pygraph_dist" in x["package"] for x in passes if x["side"] == "this")
+    summary = {(e["mode"], e["params"]): e for e in result["summary"]}
+    assert set(summary) == {("pgd_tier1", 6), ("pgd_tier2", 6)}, summary
+    for e in summary.values():
+        assert len(e["paired_diffs_us"]) == 4 and e["base_p50_us"] > 0 and e["this_p50_us"] > 0, e
+    assert "4 blocks of 3 steps interleaved" in (tmp_path / "ab.txt").read_text()
+    assert "modes set up" in p.stderr  # once per side, not per block
