@@ -361,6 +361,19 @@ def sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
+def host_times(mode: Mode, steps: int, start: int = 0) -> list[float]:
+    """Seconds of host time of each of ``steps`` steps, from batch ``start`` on:
+    perf_counter around one step, the GPU synchronised (untimed) between steps."""
+    batches, out = mode.batches, []
+    for i in range(start, start + steps):
+        x, y = batches[i % len(batches)]
+        t = time.perf_counter()
+        mode.step(x, y)
+        out.append(time.perf_counter() - t)
+        sync(mode.dev)
+    return out
+
+
 def measure(mode: Mode, steps: int, warmup: int, spans=None, calls: bool = True) -> dict:
     """Wall and host time per step of one mode (see the module docstring)."""
     batches, dev = mode.batches, mode.dev
@@ -375,13 +388,7 @@ def measure(mode: Mode, steps: int, warmup: int, spans=None, calls: bool = True)
     wall = (time.perf_counter() - t0) / steps
     if spans is not None:
         spans.reset()
-    host = []
-    for i in range(steps):
-        x, y = batches[i % len(batches)]
-        t = time.perf_counter()
-        mode.step(x, y)
-        host.append(time.perf_counter() - t)
-        sync(dev)
+    host = host_times(mode, steps)
     row = {"wall_ms": wall * 1e3, "host_us": statistics.fmean(host) * 1e6,
            "host_p50_us": statistics.median(host) * 1e6}
     if getattr(mode, "fn", None) is not None and spans is None and calls:

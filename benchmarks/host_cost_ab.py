@@ -81,16 +81,39 @@ def base_package(base: Path, scratch: Path) -> Path:
     return dest
 
 
+def side_env(pythonpath: str | None) -> dict:
+    """A side's child environment: no launcher variables (one process each), and
+    ``pythonpath`` (the base package) ahead of whatever PYTHONPATH holds."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def pinning(args):
+    """The preexec_fn that pins a child to --cpus (run in the child, before exec), or None."""
+    return (lambda: os.sched_setaffinity(0, args.cpu_set)) if args.cpu_set else None
+
+
+def write_results(path: Path, args, passes: list[dict], done: int, blocks: bool = False) -> str:
+    """The JSON and the table of the ``done`` rounds (or blocks) so far, each
+    file replaced whole; returns the table."""
+    summary = summarise(passes)
+    text = table(summary, passes, args.base, done, blocks=blocks)
+    config = {k: v for k, v in vars(args).items() if k != "cpu_set"}
+    write_atomic(path, json.dumps({"base": args.base, "config": config, "rounds_done": done,
+                                   "summary": summary, "passes": passes}, indent=1))
+    write_atomic(path.with_suffix(".txt"), text + "\n")
+    return text
+
+
 def one_pass(side: str, rnd: int, args, pythonpath: str | None, scratch: Path) -> dict:
     name = f"{side}-{rnd}"
     cmd = [sys.executable, str(HOST_COST), "--no-spans", "--no-plot", "--out-dir", str(scratch), "--name", name,
            "--layers", args.layers, "--modes", args.modes, "--steps", str(args.steps),
            "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else [])
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env, pin = side_env(pythonpath), pinning(args)
     t0 = time.perf_counter()
-    pin = (lambda: os.sched_setaffinity(0, args.cpu_set)) if args.cpu_set else None  # in the child, before exec
     probe = subprocess.run([sys.executable, "-c", "import os, pygraph_dist; print(pygraph_dist.__file__); "
                             "print(','.join(map(str, sorted(os.sched_getaffinity(0)))))"],
                            env=env, capture_output=True, text=True, timeout=120, preexec_fn=pin)
@@ -174,20 +197,37 @@ def table(summary: list[dict], passes: list[dict], base: str, rounds: int, block
     return "\n".join(lines)
 
 
+class Budget:
+    """--budget: no round (or block) starts that would not fit in the seconds
+    left if it took as long as the longest one so far (0: no limit)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.start, self.longest = seconds, time.monotonic(), 0.0
+        self.began = self.start
+
+    def allows(self, done: int, total: int, what: str) -> bool:
+        left = self.seconds - (time.monotonic() - self.start)
+        if self.seconds and done and self.longest > left:
+            print(f"[host_cost_ab] stopping after {done} of {total} {what}s: another {what} "
+                  f"(up to {self.longest:.0f} s) would not fit in --budget {self.seconds:.0f} s", file=sys.stderr)
+            return False
+        self.began = time.monotonic()
+        return True
+
+    def finished(self) -> None:
+        self.longest = max(self.longest, time.monotonic() - self.began)
+
+
 class Worker:
     """One side's host_cost_worker.py process (--interleave)."""
 
     def __init__(self, side: str, pythonpath: str | None, args, log: Path) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-        if pythonpath:
-            env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.side, self.timeout, self.log = side, args.timeout, log
-        pin = (lambda: os.sched_setaffinity(0, args.cpu_set)) if args.cpu_set else None
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "host_cost_worker.py"), "--steps", str(args.steps),
              "--warmup", str(args.warmup)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env,
-            preexec_fn=pin)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
+            env=side_env(pythonpath), preexec_fn=pinning(args))
 
     def ask(self, **req) -> dict:
         import select
@@ -240,11 +280,9 @@ def interleave(args, base: Path, scratch: Path, path: Path) -> tuple[list[dict],
                 params[(m, n)] = w.ask(cmd="setup", mode=m, layers=n, warmup=args.warmup)["params"]
             print(f"[host_cost_ab] {side} worker: {len(plan)} modes set up in {time.monotonic() - t0:.0f} s",
                   file=sys.stderr)
-        start, passes, text = time.monotonic(), [], ""
+        budget, passes, text = Budget(args.budget), [], ""
         for block in range(args.interleave):
-            spent = time.monotonic() - start
-            if args.budget and block and spent / block > args.budget - spent:
-                print(f"[host_cost_ab] stopping after {block} of {args.interleave} blocks (--budget)", file=sys.stderr)
+            if not budget.allows(block, args.interleave, "block"):
                 break
             rows = {"base": [], "this": []}
             for m, n in plan:
@@ -256,11 +294,8 @@ def interleave(args, base: Path, scratch: Path, path: Path) -> tuple[list[dict],
                 passes.append({"side": side, "round": block, "package": hello[side]["package"],
                                "cpus": ",".join(map(str, sorted(args.cpu_set))),
                                "environment": hello[side]["environment"], "rows": rows[side]})
-            text = table(summarise(passes), passes, args.base, block + 1, blocks=True)
-            config = {k: v for k, v in vars(args).items() if k != "cpu_set"}
-            write_atomic(path, json.dumps({"base": args.base, "config": config, "rounds_done": block + 1,
-                                           "summary": summarise(passes), "passes": passes}, indent=1))
-            write_atomic(path.with_suffix(".txt"), text + "\n")
+            budget.finished()
+            text = write_results(path, args, passes, block + 1, blocks=True)
         return passes, text
     finally:
         for w in workers.values():
@@ -313,8 +348,6 @@ def main(argv=None) -> int:
         if not args.cpu_set <= os.sched_getaffinity(0):
             raise SystemExit(f"--cpus {args.cpus}: CPU(s) {sorted(args.cpu_set - os.sched_getaffinity(0))} are not "
                              f"available to this process (it may use {sorted(os.sched_getaffinity(0))})")
-    start = time.monotonic()
-    longest = 0.0  # the longest round so far: the next one is assumed to take as long
     passes: list[dict] = []
     text = ""
     with tempfile.TemporaryDirectory() as tmp:
@@ -325,24 +358,17 @@ def main(argv=None) -> int:
             print(text)
             print(f"[host_cost_ab] {len(passes) // 2} blocks -> {path}", file=sys.stderr)
             return 0
+        budget = Budget(args.budget)
         for rnd in range(args.rounds):
-            spent = time.monotonic() - start
-            if args.budget and rnd and longest > args.budget - spent:
-                print(f"[host_cost_ab] stopping after {rnd} of {args.rounds} rounds: another round "
-                      f"(up to {longest:.0f} s) would not fit in --budget {args.budget:.0f} s", file=sys.stderr)
+            if not budget.allows(rnd, args.rounds, "round"):
                 break
-            t_round = time.monotonic()
             passes.append(one_pass("base", rnd, args, str(base), scratch))
             passes.append(one_pass("this", rnd, args, None, scratch))
-            longest = max(longest, time.monotonic() - t_round)
+            budget.finished()
             if rnd == 0 and passes[0]["package"] == passes[1]["package"]:
                 raise SystemExit(f"both sides imported {passes[0]['package']}: --base did not take effect")
             # Written after every round, so that a run cut short keeps the rounds it finished.
-            text = table(summarise(passes), passes, args.base, rnd + 1)
-            config = {k: v for k, v in vars(args).items() if k != "cpu_set"}
-            write_atomic(path, json.dumps({"base": args.base, "config": config, "rounds_done": rnd + 1,
-                                           "summary": summarise(passes), "passes": passes}, indent=1))
-            write_atomic(path.with_suffix(".txt"), text + "\n")
+            text = write_results(path, args, passes, rnd + 1)
     print(text)
     print(f"[host_cost_ab] {len(passes)} passes -> {path}", file=sys.stderr)
     return 0

@@ -22,7 +22,7 @@ there is skipped by the reader):
 
 A request that fails replies ``{"ok": false, "error": "..."}``. Host time is
 measured as in host_cost.py's host pass: perf_counter around one step, the
-GPU synchronised (untimed) between steps.
+GPU synchronised (untimed) between steps (``host_cost.host_times``).
 
 The hand-written ``hand_tier2`` recipe must be set up after every other mode
 of its process: a graph captured after it makes its step graph's replay fail
@@ -37,25 +37,12 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import host_cost as hc  # noqa: E402 - the modes and the measurement of host_cost.py
 
 REPLY = "REPLY "
-
-
-def host_times(mode: hc.Mode, steps: int, start: int = 0) -> list[float]:
-    """Seconds of host time of each of ``steps`` steps (GPU synchronised between)."""
-    batches, out = mode.batches, []
-    for i in range(start, start + steps):
-        x, y = batches[i % len(batches)]
-        t = time.perf_counter()
-        mode.step(x, y)
-        out.append(time.perf_counter() - t)
-        hc.sync(mode.dev)
-    return out
 
 
 def serve(args) -> int:
@@ -88,17 +75,18 @@ def serve(args) -> int:
                 if any(m == "hand_tier2" for m, _ in modes):
                     raise RuntimeError("hand_tier2 was set up already: it must come after every other mode "
                                        "(see the module docstring)")
+                warmup = int(req.get("warmup", 20))
                 mode = hc.Mode(key[0], key[1], dev, batches)
                 mode.setup()
-                host_times(mode, int(req.get("warmup", 20)))
+                hc.host_times(mode, warmup)
                 mode.describe()
-                modes[key], done[key] = mode, int(req.get("warmup", 20))
+                modes[key], done[key] = mode, warmup
                 reply = {"params": mode.n_params, "tier": mode.info.get("tier", ""),
                          "phase": mode.info.get("phase", "")}
             elif cmd == "measure":
                 key = (req["mode"], int(req["layers"]))
                 steps = int(req["steps"])
-                ts = host_times(modes[key], steps, done[key])
+                ts = hc.host_times(modes[key], steps, done[key])
                 done[key] += steps
                 reply = {"p50_us": statistics.median(ts) * 1e6, "mean_us": statistics.fmean(ts) * 1e6}
             else:

@@ -87,8 +87,8 @@ void bind_hand_out(pybind11::module_& m) {
   m.def(
       "fresh_copy", [](const at::Tensor& t) { return copy_of(t, at::MemoryFormat::Preserve); },
       pybind11::arg("tensor"),
-      "tensor.detach().clone(), made with one cudaMemcpyAsync for a contiguous CUDA tensor "
-      "(tier 2's outputs at each forward replay).");
+      "tensor.detach().clone(), strides included, made with one cudaMemcpyAsync for a dense CUDA "
+      "tensor (tier 2's outputs at each forward replay).");
 }
 
 }  // namespace pgd

@@ -74,7 +74,7 @@ def _fresh_copy_py(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 
 
-# One cudaMemcpyAsync per contiguous output instead of clone()'s dispatch (issue 26).
+# One cudaMemcpyAsync per dense output instead of clone()'s dispatch (issue 26).
 _fresh_copy = getattr(C, "fresh_copy", _fresh_copy_py)
 
 
