@@ -23,6 +23,10 @@ and what they need is here:
   eagerly, after every graph bucket (``GradientReducer.reduce_eager``).
 
 Each ``wait()`` here, like a c10d work's, makes the *calling* stream wait.
+
+At world size 1 there is nothing to scale, and a dense gradient is only
+copied into its bucket: :class:`BucketCopies` makes the copies of a bucket one
+foreach copy once the bucket is complete, instead of one kernel per parameter.
 """
 
 from __future__ import annotations
@@ -60,6 +64,48 @@ class Join:
     def wait(self):
         torch.cuda.current_stream(self.device).wait_event(self.event)
         return True
+
+
+class BucketCopies:
+    """World size 1: the gradients waiting to be copied into their buckets.
+
+    A copy kernel per parameter tensor costs ~1.4 us of GPU time inside a graph
+    on an H100 (0.7 ms per step at 502 tensors, where the hand-written recipe,
+    which keeps autograd's gradient as ``.grad``, launches none); one
+    ``torch._foreach_copy_`` per bucket launches a few (multi_tensor_apply).
+    The same values are copied, so training is bitwise unchanged. A fresh
+    gradient lives until its bucket is complete, at most one bucket's worth
+    (``bucket_cap_mb``) beyond the buckets, and is ``.grad`` until then."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self, buckets: int) -> None:
+        self.pending: list[list] = [[] for _ in range(buckets)]
+
+    def defer(self, b: int, param: torch.Tensor, view: torch.Tensor, grad: torch.Tensor) -> None:
+        self.pending[b].append((param, view, grad))
+
+    def flush(self, b: int) -> None:
+        """Copy bucket ``b``'s waiting gradients; each ``.grad`` becomes its view,
+        so the fresh gradients are freed."""
+        pending = self.pending[b]
+        if not pending:
+            return
+        if len(pending) == 1:
+            pending[0][1].copy_(pending[0][2])
+        else:
+            torch._foreach_copy_([v for _, v, _ in pending], [g for _, _, g in pending])
+        for param, view, _ in pending:
+            param.grad = view
+        pending.clear()
+
+    def flush_all(self) -> None:
+        for b in range(len(self.pending)):
+            self.flush(b)
+
+    def clear(self) -> None:
+        for pending in self.pending:
+            pending.clear()
 
 
 def reduce_sparse(p: torch.Tensor, grad: torch.Tensor | None, world_size: int, group) -> torch.Tensor:

@@ -16,6 +16,7 @@ over ranks), so eviction happens alike everywhere without a collective.
 from __future__ import annotations
 
 import logging
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,6 @@ import torch
 from ._ext import C
 from .amp import dtype_name
 from .param_groups import group_versions, hyperparams_drift, same_versions
-from .reducer import decode_param_state
 from .spans import timed
 
 logger = logging.getLogger("pygraph_dist")
@@ -361,3 +361,16 @@ def _autocast_name(key: tuple) -> str:
     if len(ambient) != 2 or not ambient[0]:
         return ""
     return dtype_name(ambient[1])
+
+
+# bytes from ParamWatch.state() (9 bytes a parameter: data pointer, requires_grad),
+# or the Python fallback's (data pointers, requires_grad) lists.
+_PARAM_STATE = struct.Struct("=Q?")  # as csrc/param_watch.cpp packs it (native byte order)
+
+
+def decode_param_state(state: bytes | tuple) -> tuple[list[int], list[bool]]:
+    """(data pointers, requires_grad) of a :meth:`GradientReducer.param_state`."""
+    if isinstance(state, bytes):
+        pairs = list(_PARAM_STATE.iter_unpack(state))
+        return [p for p, _ in pairs], [bool(r) for _, r in pairs]
+    return list(state[0]), list(state[1])

@@ -62,9 +62,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import struct
 from collections.abc import Collection, Sequence
-from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -72,7 +70,7 @@ from torch.autograd import Variable
 
 from . import collectives, kernels
 from ._ext import C
-from .bucket_comm import CastBack, Join, reduce_sparse
+from .bucket_comm import BucketCopies, CastBack, Join, reduce_sparse
 from .bucket_layout import EAGER, GRAPH, SPARSE, plan_layout
 from .capture_guard import BucketCaptureError
 from .spans import timed
@@ -121,6 +119,8 @@ class GradientReducer:
         self.views, self.comm_views = layout.views, layout.comm_views  # per parameter
         self.bucket_of = layout.bucket_of
         self.eager_reasons: dict[int, str] = {}
+        # World size 1: a bucket's copies as one foreach copy (bucket_comm.py).
+        self._copies = BucketCopies(len(self.buffers)) if self.world_size == 1 else None
         # CUDA cast-backs overlap backward on a stream of their own (made here,
         # not during a capture).
         cuda_comm = [c for c in self.comm if c is not None and c.is_cuda]
@@ -174,6 +174,8 @@ class GradientReducer:
         self._next_bucket = 0
         self._works: list = []
         self._finalize_queued = False
+        if self._copies is not None:
+            self._copies.clear()
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -235,6 +237,7 @@ class GradientReducer:
                 "planned. pygraph_dist plans sparse gradients for the weights of nn.Embedding and "
                 "nn.EmbeddingBag with sparse=True; other sources of sparse gradients are not supported."
             )
+        deferred = False
         if not grad.is_sparse and self.comm_views[index] is not None:
             # Compressed bucket: the scaled gradient goes straight to the bf16
             # buffer, rounded once (fp32 product, then bf16), as before when it
@@ -248,24 +251,23 @@ class GradientReducer:
                     view.mul_(1.0 / self.world_size)  # AccumulateGrad accumulated into the view
             elif divide:
                 torch.mul(grad, 1.0 / self.world_size, out=view)
-            else:
-                view.copy_(grad)
-        if not grad.is_sparse and grad is not self.views[index]:
+            else:  # world size 1: copied with the rest of its bucket, .grad the view then
+                self._copies.defer(self.bucket_of[index], param, view, grad)
+                deferred = True
+        if not grad.is_sparse and grad is not self.views[index] and not deferred:
             # The gradient now lives in its bucket: .grad becomes the view at
-            # once, so autograd's fresh gradient is freed here, one parameter at
-            # a time, and its memory serves the rest of backward. Left in .grad
-            # until the end of backward, every fresh gradient stayed live next
-            # to its bucket: a second copy of all gradients at the end of every
-            # backward, in the capture's pool as in eager iterations (issue 26;
-            # the same values either way, so numerics are unchanged). Setting
-            # .grad in a post-accumulate-grad hook is what torch's
-            # optimizer-in-backward recipe does (nothing reads it after the hook,
-            # torch/csrc/autograd/functions/accumulate_grad.cpp).
+            # once (at world size 1, when its bucket is copied), so autograd's
+            # fresh gradient is freed and its memory serves the rest of
+            # backward; left until the end of backward, every gradient was live
+            # twice (issue 26). torch's optimizer-in-backward recipe also sets
+            # .grad in this hook (torch/csrc/autograd/functions/accumulate_grad.cpp).
             param.grad = self.views[index]
         self._got_grad[index] = True
         b = self.bucket_of[index]
         self._ready[b] += 1
         if self._ready[b] == len(self.bucket_params[b]):
+            if self._copies is not None:
+                self._copies.flush(b)
             self._launch_in_order()
 
     def _launch_in_order(self) -> None:
@@ -313,6 +315,8 @@ class GradientReducer:
     def _finalize(self) -> None:
         """End of backward: reduce what is left, wait, expose the reduced grads."""
         try:
+            if self._copies is not None:
+                self._copies.flush_all()
             for b in range(len(self.buffers)):
                 if self._ready[b] < len(self.bucket_params[b]):
                     self._clear_missing(b)
@@ -354,10 +358,10 @@ class GradientReducer:
             return self.watch.all_grads_none()
         return all(p.grad is None for p in self.params)
 
-    def param_state(self) -> ParamState:
+    def param_state(self) -> bytes | tuple:
         """Every parameter's data pointer and requires_grad, in a form that
         compares with ``==`` (graph_cache.drift: taken at capture, compared
-        before every replay); :func:`decode_param_state` reads it."""
+        before every replay); :func:`graph_cache.decode_param_state` reads it."""
         if self.watch is not None:
             return self.watch.state()
         return [p.data_ptr() for p in self.params], [p.requires_grad for p in self.params]
@@ -443,16 +447,3 @@ class GradientReducer:
         if tail is not None:
             tail[1].wait()
 
-
-# bytes from ParamWatch.state() (9 bytes a parameter: data pointer, requires_grad),
-# or the Python fallback's (data pointers, requires_grad) lists.
-ParamState = Union[bytes, tuple]
-_PARAM_STATE = struct.Struct("=Q?")  # as csrc/param_watch.cpp packs it (native byte order)
-
-
-def decode_param_state(state: ParamState) -> tuple[list[int], list[bool]]:
-    """(data pointers, requires_grad) of a :meth:`GradientReducer.param_state`."""
-    if isinstance(state, bytes):
-        pairs = list(_PARAM_STATE.iter_unpack(state))
-        return [p for p, _ in pairs], [bool(r) for _, r in pairs]
-    return list(state[0]), list(state[1])

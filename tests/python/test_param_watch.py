@@ -20,7 +20,7 @@ import pygraph_dist as pgd
 from pygraph_dist._ext import C
 from pygraph_dist.graph_cache import GraphEntry
 from pygraph_dist.param_groups import snapshot_hyperparams
-from pygraph_dist.reducer import decode_param_state
+from pygraph_dist.graph_cache import decode_param_state
 
 pgd.init()
 out = {"native": hasattr(C, "ParamWatch")}
