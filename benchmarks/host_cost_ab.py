@@ -109,7 +109,7 @@ def write_results(path: Path, args, passes: list[dict], done: int, blocks: bool 
 
 def one_pass(side: str, rnd: int, args, pythonpath: str | None, scratch: Path) -> dict:
     name = f"{side}-{rnd}"
-    cmd = [sys.executable, str(HOST_COST), "--no-spans", "--no-plot", "--out-dir", str(scratch), "--name", name,
+    cmd = [sys.executable, str(HOST_COST), "--no-spans", "--no-plot", "--no-calls", "--out-dir", str(scratch), "--name", name,
            "--layers", args.layers, "--modes", args.modes, "--steps", str(args.steps),
            "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else [])
     env, pin = side_env(pythonpath), pinning(args)
@@ -143,6 +143,10 @@ def summarise(passes: list[dict]) -> list[dict]:
         row = next((r for r in pas["rows"] if r["mode"] == mode and r["params"] == params), None)
         return row["host_p50_us"] if row is not None and row.get("status") == "ok" else None
 
+    def wall(pas, mode, params):
+        row = next((r for r in pas["rows"] if r["mode"] == mode and r["params"] == params), None)
+        return row.get("wall_ms") if row is not None and row.get("status") == "ok" else None
+
     out = []
     for mode, params in keys:
         entry = {"mode": mode, "params": params}
@@ -162,6 +166,9 @@ def summarise(passes: list[dict]) -> list[dict]:
             entry[f"{side}_p50_us"] = statistics.median(vals) if vals else None
             entry[f"{side}_over_{hand}_us" if hand else f"{side}_over_hand_us"] = (
                 statistics.median(over_hand[side]) if over_hand[side] else None)
+        for side in ("base", "this"):  # GPU-bound modes: ms per back-to-back step (full passes only)
+            walls = [w for w in (wall(pas, mode, params) for pas in passes if pas["side"] == side) if w is not None]
+            entry[f"{side}_wall_ms"] = statistics.median(walls) if walls else None
         diffs = [r["this"] - r["base"] for r in by_round.values() if "this" in r and "base" in r]
         entry["paired_diff_us"] = statistics.median(diffs) if diffs else None
         entry["paired_diffs_us"] = diffs
@@ -179,11 +186,14 @@ def table(summary: list[dict], passes: list[dict], base: str, rounds: int, block
              "host us per step: medians over rounds of each pass's p50; paired = median of (this - base) per round; "
              "+hand = over the hand recipe of the same pass",
              f"{'mode':12s} {'params':>6s} {'base':>8s} {'this':>8s} {'paired':>8s} {'faster':>7s} "
-             f"{'base+hand':>10s} {'this+hand':>10s}",
-             "-" * 76]
+             f"{'base+hand':>10s} {'this+hand':>10s} {'base ms':>8s} {'this ms':>8s}",
+             "-" * 94]
 
     def f(v):
         return f"{v:8.1f}" if isinstance(v, (int, float)) else f"{'-':>8s}"
+
+    def ms(v):
+        return f"{v:8.3f}" if isinstance(v, (int, float)) else f"{'-':>8s}"
 
     for e in summary:
         hand_key = next((k for k in e if k.startswith("base_over_")), None)
@@ -191,9 +201,11 @@ def table(summary: list[dict], passes: list[dict], base: str, rounds: int, block
         faster = f"{e['this_faster_rounds']}/{len(e['paired_diffs_us'])}" if e["paired_diffs_us"] else "-"
         lines.append(f"{e['mode']:12s} {e['params']:6d} {f(e['base_p50_us'])} {f(e['this_p50_us'])} "
                      f"{f(e['paired_diff_us'])} {faster:>7s} "
-                     f"{f(e.get(hand_key)) if hand_key else '-':>10s} {f(e.get(this_key)) if this_key else '-':>10s}")
+                     f"{f(e.get(hand_key)) if hand_key else '-':>10s} {f(e.get(this_key)) if this_key else '-':>10s} "
+                     f"{ms(e.get('base_wall_ms'))} {ms(e.get('this_wall_ms'))}")
     lines.append("faster = rounds in which this tree's p50 was lower; base+hand/this+hand: over hand (tier 1 modes) "
-                 "or hand_tier2 (tier 2 modes), the same pass")
+                 "or hand_tier2 (tier 2 modes), the same pass; base ms/this ms: median wall ms per "
+                 "back-to-back step (GPU time where the GPU bounds the step; rounds, not --interleave blocks)")
     return "\n".join(lines)
 
 

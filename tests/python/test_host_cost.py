@@ -125,8 +125,11 @@ def test_host_cost_ab_alternates_base_and_this_tree(tmp_path):
     for e in summary.values():
         assert len(e["paired_diffs_us"]) == 2 and e["base_p50_us"] > 0 and e["this_p50_us"] > 0, e
         assert e["paired_diff_us"] == sum(e["paired_diffs_us"]) / 2  # the median of two
+        walls = [r["wall_ms"] for x in passes if x["side"] == "this" for r in x["rows"]
+                 if (r["mode"], r["params"]) == (e["mode"], e["params"])]
+        assert e["this_wall_ms"] == sum(walls) / 2 and e["base_wall_ms"] > 0, e  # GPU time, per side
     text = (tmp_path / "ab.txt").read_text()
-    assert "2 rounds alternated" in text and "pgd_tier1" in text
+    assert "2 rounds alternated" in text and "pgd_tier1" in text and "this ms" in text
     assert result["rounds_done"] == 2
 
 
