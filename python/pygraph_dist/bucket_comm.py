@@ -25,8 +25,9 @@ and what they need is here:
 Each ``wait()`` here, like a c10d work's, makes the *calling* stream wait.
 
 At world size 1 there is nothing to scale, and a dense gradient is only
-copied into its bucket: :class:`BucketCopies` makes the copies of a bucket one
-foreach copy once the bucket is complete, instead of one kernel per parameter.
+copied into its bucket: :class:`BucketCopies` makes the copies of a bucket's
+small gradients one foreach copy once the bucket is complete, instead of one
+kernel per parameter tensor.
 """
 
 from __future__ import annotations
@@ -67,23 +68,32 @@ class Join:
 
 
 class BucketCopies:
-    """World size 1: the gradients waiting to be copied into their buckets.
+    """World size 1: the small gradients waiting to be copied into their buckets.
 
     A copy kernel per parameter tensor costs ~1.4 us of GPU time inside a graph
     on an H100 (0.7 ms per step at 502 tensors, where the hand-written recipe,
     which keeps autograd's gradient as ``.grad``, launches none); one
     ``torch._foreach_copy_`` per bucket launches a few (multi_tensor_apply).
-    The same values are copied, so training is bitwise unchanged. A fresh
-    gradient lives until its bucket is complete, at most one bucket's worth
-    (``bucket_cap_mb``) beyond the buckets, and is ``.grad`` until then."""
+    Only gradients of at most :data:`SMALL` elements wait: a larger one is
+    copied at once, while it is still in L2 and its copy outlasts a launch
+    (batched too, GPT-2's step was 0.6% slower on an H100). The same values
+    are copied, so training is bitwise unchanged. A waiting gradient lives
+    until its bucket is complete and is ``.grad`` until then."""
+
+    SMALL = 1 << 18  # elements (1 MiB of fp32): ~0.3 us to copy on an H100, less than a launch
 
     __slots__ = ("pending",)
 
     def __init__(self, buckets: int) -> None:
         self.pending: list[list] = [[] for _ in range(buckets)]
 
-    def defer(self, b: int, param: torch.Tensor, view: torch.Tensor, grad: torch.Tensor) -> None:
+    def defer(self, b: int, param: torch.Tensor, view: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Copy ``grad`` into ``view`` now, or (small) with its bucket: whether it waits."""
+        if grad.numel() > self.SMALL:
+            view.copy_(grad)
+            return False
         self.pending[b].append((param, view, grad))
+        return True
 
     def flush(self, b: int) -> None:
         """Copy bucket ``b``'s waiting gradients; each ``.grad`` becomes its view,

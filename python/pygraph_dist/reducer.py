@@ -251,9 +251,8 @@ class GradientReducer:
                     view.mul_(1.0 / self.world_size)  # AccumulateGrad accumulated into the view
             elif divide:
                 torch.mul(grad, 1.0 / self.world_size, out=view)
-            else:  # world size 1: copied with the rest of its bucket, .grad the view then
-                self._copies.defer(self.bucket_of[index], param, view, grad)
-                deferred = True
+            else:  # world size 1: a small one copied with the rest of its bucket, .grad the view then
+                deferred = self._copies.defer(self.bucket_of[index], param, view, grad)
         if not grad.is_sparse and grad is not self.views[index] and not deferred:
             # The gradient now lives in its bucket: .grad becomes the view at
             # once (at world size 1, when its bucket is copied), so autograd's
