@@ -67,7 +67,7 @@ from .param_groups import adopt_assigned_lrs
 from .probe import ProbeCalls
 from .spans import timed
 from .split_calls import Tier2Calls
-from .outputs import map_outputs
+from .outputs import hand_out_outputs
 from .wiring import EngineWiring
 
 logger = logging.getLogger("pygraph_dist")
@@ -254,7 +254,7 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         says why."""
         drift, result = entry.drift, entry.static_result
         if (entry.step_graph is not None or entry.graph is None or result is None
-                or result[1] is not result[0] or self.loop.split_reason
+                or self.loop.split_reason
                 or self.reducer.watch is None or not isinstance(drift.params, bytes)
                 or drift.state_version != self.opt_state_version
                 or entry.policy.phase != Phase.REPLAY or self._selecting(entry)
@@ -274,7 +274,7 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         entry.last_used = self.iteration
         self.loop.mode = Mode.OWNED
         self.loop.handed_out(fresh)
-        return fresh
+        return hand_out_outputs(result[1], result[0], fresh)  # the loss, or (HF) the loss and logits
 
     def _guard_match(self, args: tuple, kwargs: dict) -> GraphEntry | None:
         """The entry replayed last, if this call has its signature (InputGuard)."""
@@ -380,9 +380,7 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         # grad_fn that has nothing behind it (csrc/hand_out.cpp): one kernel.
         fresh = _hand_out_loss(loss)
         self.loop.handed_out(fresh)
-        if out is loss:
-            return fresh
-        return map_outputs(out, lambda t: fresh if t is loss else t.detach().clone())
+        return hand_out_outputs(out, loss, fresh)
 
     def _on_backward_finished(self) -> None:
         if self._entry is not None:

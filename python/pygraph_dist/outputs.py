@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ._ext import C
+
 
 def find_loss(out, *, tuples: bool = False) -> torch.Tensor | None:
     """The scalar loss in a model call's outputs: the output itself, ``out["loss"]``
@@ -60,3 +62,21 @@ def map_outputs(out, fn):
     if isinstance(out, (tuple, list)):
         return type(out)(map_outputs(v, fn) for v in out)
     return out
+
+
+def _fresh_copy_py(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
+
+
+# ``t.detach().clone()``, strides included: one cudaMemcpyAsync per dense CUDA
+# tensor instead of clone()'s dispatch (csrc/hand_out.cpp; issue 26).
+fresh_copy = getattr(C, "fresh_copy", _fresh_copy_py)
+
+
+def hand_out_outputs(out, loss: torch.Tensor, fresh_loss: torch.Tensor):
+    """A replay's outputs ``out`` as the caller gets them: ``fresh_loss`` for the
+    graph's ``loss``, a fresh copy of every other tensor (the graph's own are
+    overwritten by the next replay)."""
+    if out is loss:
+        return fresh_loss
+    return map_outputs(out, lambda t: fresh_loss if t is loss else fresh_copy(t))

@@ -49,12 +49,11 @@ import torch.utils._pytree as pytree
 from torch.autograd import Variable
 
 from . import agreement
-from ._ext import C
 from .capture import copy_inputs, varying_paths
 from .capture_guard import _bucket_error, describe_capture_error
 from .graph_cache import GraphEntry, discard
 from .spans import timed
-from .outputs import map_outputs
+from .outputs import fresh_copy, map_outputs
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -70,12 +69,6 @@ def output_tensors(out) -> list[torch.Tensor]:
     return found
 
 
-def _fresh_copy_py(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone()
-
-
-# One cudaMemcpyAsync per dense output instead of clone()'s dispatch (issue 26).
-_fresh_copy = getattr(C, "fresh_copy", _fresh_copy_py)
 
 
 class _GraphedCall(torch.autograd.Function):
@@ -87,7 +80,7 @@ class _GraphedCall(torch.autograd.Function):
     @timed("autograd.Function")
     def forward(ctx, call, dummy):  # noqa: ARG004 - dummy only connects the node
         ctx.call = call
-        outs = tuple(_fresh_copy(t) for t in call.entry.static_outs)
+        outs = tuple(fresh_copy(t) for t in call.entry.static_outs)
         frozen = [o for o, d in zip(outs, call.entry.diff_mask) if not d]
         if frozen:
             ctx.mark_non_differentiable(*frozen)

@@ -273,6 +273,14 @@ def test_group_versions_count_the_changes_a_graph_could_miss():
 
 
 # ------------------------------------------------------------------- GPU runs
+class MLPOutputs(MLP):
+    """The loss and the logits, as Hugging Face models return them (tier 1)."""
+
+    def forward(self, x, y):
+        logits = self.head(self.body(x))
+        return {"loss": torch.nn.functional.cross_entropy(logits, y), "logits": logits}
+
+
 def gpu_steady_state(loop="inside", steps=30, lr_every_step=False):
     """Count signature lookups and one-call tier-1 replays (C.replay_owned) in
     the steady state; compare with graphs=False."""
@@ -302,9 +310,9 @@ def gpu_steady_state(loop="inside", steps=30, lr_every_step=False):
     def run(graphs):
         nonlocal it
         torch.manual_seed(0)
-        base = (MLP if loop == "inside" else MLPLogits)(width=32, depth=4).to(dev)
+        base = {"inside": MLP, "outputs": MLPOutputs, "outside": MLPLogits}[loop](width=32, depth=4).to(dev)
         model, opt = pgd.wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-3, fused=True), graphs=graphs)
-        losses = []
+        losses, logits, kept = [], [], []
         for it in range(steps):
             # A short batch at step 20 (a new signature), then the full size again.
             x, y = data(it, rank, batch=8 if it == 20 else 16, device=dev)
@@ -312,34 +320,46 @@ def gpu_steady_state(loop="inside", steps=30, lr_every_step=False):
                 for g in opt.param_groups:
                     g["lr"] = 1e-3 * (1 - it / (2 * steps))
             opt.zero_grad(set_to_none=True)
-            loss = model(x, y) if loop == "inside" else F.cross_entropy(model(x), y)
+            if loop == "outputs":  # the logits handed out must outlive the next replay
+                out = model(x, y)
+                loss = out["loss"]
+                kept.append(out["logits"])
+                logits.append(out["logits"].clone())
+            else:
+                loss = model(x, y) if loop == "inside" else F.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
             losses.append(float(loss.item()))
-        return flat_params(base), losses, pgd.report().models[-1]
+        fresh = all(torch.equal(a, b) and not a.requires_grad for a, b in zip(kept, logits))
+        return flat_params(base), losses, pgd.report().models[-1], torch.cat(logits) if logits else None, fresh
 
     it = 0
-    p_g, l_g, rep = run(True)
+    p_g, l_g, rep, logits_g, fresh = run(True)
     graphed_lookups = list(lookups)
-    p_e, l_e, _ = run(False)
+    p_e, l_e, _, logits_e, _ = run(False)
     GraphCache.lookup = original
     C.replay_owned = real_owned
     g = rep.graphs[0]
     return {"phase": g.phase, "tier": g.tier, "replays": sum(x.replays for x in rep.graphs),
             "lookups": graphed_lookups, "owned": owned, "bitwise": bool(torch.equal(p_g, p_e)),
-            "losses_equal": l_g == l_e, "report": str(pgd.report())}
+            "losses_equal": l_g == l_e, "report": str(pgd.report()), "fresh": fresh,
+            "logits_equal": logits_g is None or bool(torch.equal(logits_g, logits_e))}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("loop,lr_every_step", [("inside", False), ("outside", False), ("inside", True)])
+@pytest.mark.parametrize("loop,lr_every_step", [("inside", False), ("outside", False), ("inside", True),
+                                                ("outputs", False)])
 def test_the_steady_state_builds_no_signature_key(ranks, loop, lr_every_step):
     (r,) = ranks("test_fast_lane:gpu_steady_state", world_size=1, timeout=300,
                  kwargs={"loop": loop, "lr_every_step": lr_every_step})
-    assert r["phase"] == "replay" and r["tier"] == ("1" if loop == "inside" else "2"), r["report"]
+    assert r["phase"] == "replay" and r["tier"] == ("2" if loop == "outside" else "1"), r["report"]
     assert r["bitwise"] and r["losses_equal"], r["report"]
+    # Outputs beside the loss: fresh copies, equal to eager's, unchanged by later replays.
+    assert r["logits_equal"] and r["fresh"], r["report"]
     # Tier 1's steady replays are one C++ call each (engine._replay_owned), also
-    # with a float written into param_group['lr'] every step; tier 2 never uses it.
-    if loop == "inside":
+    # with a float written into param_group['lr'] every step, and for a model
+    # that returns its logits beside the loss; tier 2 never uses it.
+    if loop != "outside":
         assert set(range(12, 20)) | set(range(22, 30)) <= set(r["owned"]), r["owned"]
     else:
         assert not r["owned"], r["owned"]
