@@ -330,7 +330,10 @@ def gpu_steady_state(loop="inside", steps=30, lr_every_step=False):
             loss.backward()
             opt.step()
             losses.append(float(loss.item()))
-        fresh = all(torch.equal(a, b) and not a.requires_grad for a, b in zip(kept, logits))
+        # Unchanged by every later replay; detached where a graph ran (the probe's
+        # eager steps hand out the model's own outputs, with their autograd graph).
+        fresh = {"unchanged": [i for i, (a, b) in enumerate(zip(kept, logits)) if not torch.equal(a, b)],
+                 "requires_grad": [i for i, a in enumerate(kept) if a.requires_grad]}
         return flat_params(base), losses, pgd.report().models[-1], torch.cat(logits) if logits else None, fresh
 
     it = 0
@@ -355,7 +358,8 @@ def test_the_steady_state_builds_no_signature_key(ranks, loop, lr_every_step):
     assert r["phase"] == "replay" and r["tier"] == ("2" if loop == "outside" else "1"), r["report"]
     assert r["bitwise"] and r["losses_equal"], r["report"]
     # Outputs beside the loss: fresh copies, equal to eager's, unchanged by later replays.
-    assert r["logits_equal"] and r["fresh"], r["report"]
+    assert r["logits_equal"] and not r["fresh"]["unchanged"], (r["fresh"], r["report"])
+    assert not set(r["fresh"]["requires_grad"]) & set(r["owned"]), (r["fresh"], r["owned"])
     # Tier 1's steady replays are one C++ call each (engine._replay_owned), also
     # with a float written into param_group['lr'] every step, and for a model
     # that returns its logits beside the loss; tier 2 never uses it.
