@@ -467,11 +467,12 @@ def gpu_ops(mode: Mode, n: int = 5) -> dict:
     ops = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
            and getattr(e, "time_range", None) is not None]
     by_name: dict[str, list[float]] = {}
-    for e in ops:  # which kernels a mode runs that another does not (JSON only)
-        by_name.setdefault(e.name[:120], []).append(e.time_range.elapsed_us())
+    for e in ops:  # which kernels a mode runs that another does not (JSON only), by full name:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())  # foreach kernels differ at the end
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:15]
     return {"gpu_ops": len(ops) / n, "gpu_ops_us": sum(e.time_range.elapsed_us() for e in ops) / n,
-            "gpu_ops_by_name": [{"name": k, "per_step": len(v) / n, "us_per_step": sum(v) / n} for k, v in top]}
+            "gpu_ops_by_name": [{"name": k[:400], "per_step": len(v) / n, "us_per_step": sum(v) / n}
+                                for k, v in top]}
 
 
 def run_all(args, modes: list[str], spans=None) -> list[dict]:

@@ -21,8 +21,9 @@ plain autograd hooks and c10d calls, so a capture records exactly its kernels:
 * once its gradient is in the bucket, each ``param.grad`` becomes a view
   into its bucket (DDP's ``gradient_as_bucket_view``): no copy back, every
   graph of the model shares the same gradient memory, and autograd's fresh
-  gradient is freed right away instead of living on next to the bucket
-  until the end of backward;
+  gradient is freed then (at world size 1, small ones when their bucket is
+  complete: ``bucket_comm.BucketCopies``) instead of living on next to the
+  bucket until the end of backward;
 * at the end of backward (an autograd final callback, which runs on the
   stream backward was called from) the remaining buckets are launched and
   the caller's stream waits for every all-reduce.

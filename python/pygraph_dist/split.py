@@ -69,8 +69,6 @@ def output_tensors(out) -> list[torch.Tensor]:
     return found
 
 
-
-
 class _GraphedCall(torch.autograd.Function):
     """Fresh copies of a forward graph's outputs whose backward replays the
     backward graph. ``dummy`` (a 0-dim leaf requiring grad) makes autograd
