@@ -445,6 +445,7 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
 
     @timed("zero_grad routing")
     def optimizer_zero_grad(self, set_to_none: bool = True) -> None:
+        self.reducer.finish_pending()  # a backward that raised: its round ends before the clearing
         self.accum.zero_grad()
         self.loop.zero_grad_called()
         if not self.loop.owned and not self._clear_grads(set_to_none):

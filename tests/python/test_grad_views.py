@@ -145,3 +145,80 @@ def test_world_size_1_copies_a_bucket_at_a_time(ranks, world_size, cap, small):
             else:  # scaled by 1/world_size on the way in, one fused op per parameter
                 assert ops.get("_foreach_copy_", 0) == 0, ops
                 assert ops.get("mul", 0) >= 12, ops
+
+
+class _Boom(torch.autograd.Function):
+    """Identity whose backward raises while ``fail`` is set: a backward that
+    stops half-way (the layers after it already have their gradients)."""
+
+    fail = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _Boom.fail:
+            raise RuntimeError("boom (test)")
+        return g
+
+
+class Halves(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(16, 16)
+        self.second = nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.second(_Boom.apply(self.first(x))), y)
+
+
+def failed_backward_then_zero_grad(steps=3):
+    """A backward that raises (caught by the loop), then zero_grad(set_to_none=True)
+    and training on: the next gradients are that step's alone, as without the
+    wrapper (the failed round's were exposed at the next model call, after the
+    user's zero_grad, and the next backward accumulated into them)."""
+    pgd.init()
+    rank = dist.get_rank()
+    dev = device()
+    torch.manual_seed(0)
+    net = Halves().to(dev)
+    plain = Halves().to(dev)
+    plain.load_state_dict(net.state_dict())
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    model, opt = pgd.wrap(net, opt, warmup=1, graphs=False)
+    world = dist.get_world_size()
+    equal = []
+    for step in range(steps):
+        x, y = data(step, rank, batch=8, width=16, classes=4, device=dev)
+        opt.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        _Boom.fail = step == 0
+        try:
+            model(x, y).backward()
+        except RuntimeError as exc:
+            assert "boom" in str(exc)
+        try:
+            plain(x, y).backward()
+        except RuntimeError:
+            pass
+        if _Boom.fail:  # the loop drops the failed batch: no step
+            _Boom.fail = False
+            continue
+        if step > 0:
+            # the plain model's mean over ranks: what the reduced gradient must be
+            grads = [p.grad.clone() for p in plain.parameters()]
+            for g in grads:
+                dist.all_reduce(g)
+                g.div_(world)
+            equal.append(max(float((p.grad - g).abs().max()) for p, g in zip(net.parameters(), grads)))
+        opt.step()
+    pgd.shutdown()
+    return {"diffs": equal}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_failed_backward_leaves_nothing_behind_zero_grad(ranks, world_size):
+    for r in ranks("test_grad_views:failed_backward_then_zero_grad", world_size=world_size, timeout=120):
+        assert r["diffs"] and max(r["diffs"]) < 1e-6, r["diffs"]
