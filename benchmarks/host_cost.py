@@ -16,6 +16,10 @@ Modes (the user's loop; each row is (mode, layers)):
                 g.replay()
   pgd_tier1     pygraph_dist.wrap(module returning the loss); loss = model(x, y)
   pgd_tier2     pygraph_dist.wrap(bare net); loss = F.cross_entropy(model(x), y)
+                (the loss computed inside the backward graph: loss_lane.py)
+  pgd_tier2_eager_loss
+                pgd_tier2 with wrap(loss_graphs=False): the loss and its
+                backward eager between the graphs, as before the loss lane
   pgd_clip      pgd_tier2 + torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 between backward and step (tier 2: the clip a graph of its own,
                 replayed at the call; split_clip.py). The table's footer says
@@ -102,8 +106,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 WIDTH, CLASSES, BATCH, ACCUM, CLIP_NORM, LR, BATCHES = 256, 10, 8, 4, 1.0, 1e-4, 8
-ALL_MODES = ["hand", "pgd_tier1", "pgd_clip_in", "hand_tier2", "callables", "pgd_tier2", "pgd_clip", "pgd_accum4",
-             "eager"]
+ALL_MODES = ["hand", "pgd_tier1", "pgd_clip_in", "hand_tier2", "callables", "pgd_tier2", "pgd_tier2_eager_loss",
+             "pgd_clip", "pgd_accum4", "eager"]
 GPU_ONLY = {"hand", "hand_tier2", "callables"}
 LABELS = {
     "hand": "hand-written whole-iteration graph",
@@ -111,6 +115,7 @@ LABELS = {
     "hand_tier2": "hand-written forward, backward and step graphs, loss outside",
     "callables": "torch.cuda.make_graphed_callables, loss outside, eager fused step",
     "pgd_tier2": "pygraph_dist, loss outside",
+    "pgd_tier2_eager_loss": "pygraph_dist, loss outside, loss_graphs=False",
     "pgd_clip": "pygraph_dist, loss outside + clip_grad_norm_",
     "pgd_clip_in": "pygraph_dist, loss in the module + clip_grad_norm_",
     "pgd_accum4": "pygraph_dist, loss outside, 4 micro-batches (no_sync)",
@@ -245,8 +250,9 @@ class Mode:
         import pygraph_dist as pgd
 
         module = with_loss(net) if self.name in ("pgd_tier1", "pgd_clip_in") else net
-        self.model, self.opt = pgd.wrap(module, opt)
+        self.model, self.opt = pgd.wrap(module, opt, loss_graphs=self.name != "pgd_tier2_eager_loss")
         self.fn = {"pgd_tier1": loop_inside, "pgd_tier2": loop_outside, "pgd_accum4": loop_accum,
+                   "pgd_tier2_eager_loss": loop_outside,
                    "pgd_clip": lambda m, o, x, y: loop_outside(m, o, x, y, clip=True),
                    "pgd_clip_in": lambda m, o, x, y: loop_inside(m, o, x, y, clip=True)}[self.name]
 
@@ -540,7 +546,7 @@ def add_deltas(rows: list[dict]) -> None:
         if t1 is not None and (r["mode"].startswith("pgd") or r["mode"] in ("callables", "hand_tier2")):
             r["host_vs_tier1_us"] = r["host_us"] - t1["host_us"]
         floor = ref.get((r["layers"], "hand_tier2"))  # what a loss-outside loop pays anyway
-        if floor is not None and r["mode"] in ("pgd_tier2", "pgd_clip", "pgd_accum4"):
+        if floor is not None and r["mode"] in ("pgd_tier2", "pgd_tier2_eager_loss", "pgd_clip", "pgd_accum4"):
             r["host_vs_floor_us"] = r["host_us"] - floor["host_us"]
 
 

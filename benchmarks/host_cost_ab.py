@@ -56,7 +56,8 @@ sys.path.insert(0, str(HERE))
 from host_cost import LAUNCHER_VARS  # noqa: E402 - the benchmark this drives
 HOST_COST = HERE / "host_cost.py"
 HAND_OF = {"pgd_tier1": "hand", "pgd_clip_in": "hand", "pgd_tier2": "hand_tier2", "pgd_clip": "hand_tier2",
-           "pgd_accum4": "hand_tier2", "hand_tier2": "hand", "callables": "hand_tier2", "eager": "hand"}
+           "pgd_accum4": "hand_tier2", "hand_tier2": "hand", "callables": "hand_tier2", "eager": "hand",
+           "pgd_tier2_eager_loss": "hand_tier2"}
 
 
 def base_package(base: Path, scratch: Path) -> Path:

@@ -155,6 +155,7 @@ def wrap(
     learn_accumulation: bool = True,
     ignore_args: tuple[str, ...] | list[str] = (),
     eval_graphs: bool = True,
+    loss_graphs: bool = True,
 ) -> tuple[GraphedModule, torch.optim.Optimizer]:
     """Wrap a model and its optimizer for graphed data-parallel training.
 
@@ -237,6 +238,13 @@ def wrap(
             eager forward. No collective decides anything, so evaluating on
             some ranks only is fine. ``False``: such calls run the module
             eagerly. Calls in eval mode with autograd on always run eagerly.
+        loss_graphs: in a tier-2 loop (the loss computed outside the model),
+            the loss the loop computes from the model's outputs is learned in
+            the last warm-up step and replayed inside the backward graph: the
+            loss is handed out pending and filled in by ``loss.backward()``.
+            A step that reads the loss before ``backward()`` gets it computed
+            eagerly and runs tier 2 as without this. Bitwise equal either way.
+            ``False``: the loss and its backward always run eagerly.
 
     Returns ``(GraphedModule, optimizer)``; the optimizer is the same object,
     made capturable and routed through the engine.
@@ -251,7 +259,7 @@ def wrap(
         select=select, select_margin=select_margin, pad_batch_to=pad_batch_to, pad_value=pad_value,
         skip_nonfinite=skip_nonfinite, grad_comm_dtype=grad_comm_dtype,
         compile=compile_kwargs(compile), learn_accumulation=learn_accumulation,
-        ignore_args=ignore_args, eval_graphs=eval_graphs,
+        ignore_args=ignore_args, eval_graphs=eval_graphs, loss_graphs=loss_graphs,
     )
     engine = Engine(model, optimizer, config, process_group)
     warn_stock_backend(engine)

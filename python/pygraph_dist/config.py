@@ -39,6 +39,7 @@ class WrapConfig:
     learn_accumulation: bool = True  # accumulation.py
     ignore_args: tuple[str, ...] = ()  # arguments.py
     eval_graphs: bool = True  # evaluation.py
+    loss_graphs: bool = True  # loss_lane.py
 
 
 COMM_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16}

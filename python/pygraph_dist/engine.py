@@ -23,7 +23,8 @@ branch of :meth:`Engine.run`:
 
 Module map: :mod:`wiring` (the parts, built at ``wrap()``), :mod:`probe` (the
 loop as written and the probe's verdict), :mod:`split_calls` (tier 2's calls),
-:mod:`split_clip` (tier 2's clip as a graph),
+:mod:`split_clip` (tier 2's clip as a graph), :mod:`loss_lane`
+(tier 2's loss in the backward graph),
 :mod:`engine_state` (report, teardown, checkpoint loads), :mod:`config`
 (wrap()'s arguments), :mod:`step` (what an iteration does), :mod:`capture`
 (warm-up → capture → agree → replay → select), :mod:`graph_cache`
@@ -391,6 +392,8 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
     @timed("step routing")
     def optimizer_step(self, closure=None):
         """``optimizer.step()`` of the wrapped optimizer."""
+        if self.split.lane_run is not None:  # a loss still pending is computed now (loss_lane.py)
+            self.split.end_lane("optimizer.step() came before backward() of the loss")
         adopt_assigned_lrs(self.optimizer, self.opt_plan.lr_tensors)
         self.accum.step()  # pending local sums reduced first; K learned at the first step
         probe = self._phase == Phase.PROBE and not self.loop.owned

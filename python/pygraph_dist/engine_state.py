@@ -52,7 +52,7 @@ class EngineState:
             loop = f"not graphable: {self.loop.verdict}"
         elif self.loop.probe_done and self.loop.split_reason:
             # What the check found; what ran is the signatures' (report.summarize).
-            clip = self.split_clip.describe()
+            clip = "; ".join(d for d in (self.split.describe_lane(), self.split_clip.describe()) if d)
             loop = (f"fits tier 2 (graphs per micro-batch, your code between them{'; ' + clip if clip else ''}); "
                     f"not tier 1 because: {self.loop.split_reason}")
         elif self.loop.probe_done:

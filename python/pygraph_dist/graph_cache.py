@@ -62,6 +62,13 @@ class GraphEntry:
     diff_mask: list = field(default_factory=list)
     static_grads: list = field(default_factory=list)
     last_call: Any = None  # tier 2: the latest replay of the forward graph
+    # Tier 2's loss lane (loss_lane.py): the warm-up's recorder, the captured
+    # trace, its static tensors and loss.
+    lane_recorder: Any = None
+    loss_trace: Any = None
+    lane_exts: list = field(default_factory=list)
+    lane_loss: Any = None
+    lane_meta: tuple = ()
     eager_buckets: tuple = ()  # buckets reduced eagerly between the two graphs
     sparse_grads: dict = field(default_factory=dict)  # param index -> captured local sparse grad
     # Static inputs and output the graphs read and write.
@@ -234,6 +241,7 @@ class GraphCache:
         entry.last_call = None
         entry.sparse_grads = {}
         entry.static_result = None
+        entry.lane_loss, entry.lane_exts = None, []
 
     def invalidate(self, entry: GraphEntry, iteration: int, reason: str) -> None:
         self.release(entry)

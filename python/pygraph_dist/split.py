@@ -52,6 +52,8 @@ from . import agreement
 from .capture import copy_inputs, varying_paths
 from .capture_guard import _bucket_error, describe_capture_error
 from .graph_cache import GraphEntry, discard
+from .loss_match import LaneRun
+from .split_lane import LaneCaptureError, LaneGraphs, output_tensors
 from .spans import timed
 from .outputs import fresh_copy, map_outputs
 
@@ -60,13 +62,6 @@ logger = logging.getLogger("pygraph_dist")
 
 class OutsideGradientError(RuntimeError):
     """The user's backward reached parameters outside a graphed model call."""
-
-
-def output_tensors(out) -> list[torch.Tensor]:
-    """The tensors of a model call's outputs, in :func:`map_outputs` order."""
-    found: list[torch.Tensor] = []
-    map_outputs(out, lambda t: found.append(t) or t)
-    return found
 
 
 class _GraphedCall(torch.autograd.Function):
@@ -79,6 +74,8 @@ class _GraphedCall(torch.autograd.Function):
     def forward(ctx, call, dummy):  # noqa: ARG004 - dummy only connects the node
         ctx.call = call
         outs = tuple(fresh_copy(t) for t in call.entry.static_outs)
+        if call.lane is not None:  # loss_lane.py: the loss's calls on them are watched
+            outs = tuple(call.lane.wrap_outputs(outs))
         frozen = [o for o, d in zip(outs, call.entry.diff_mask) if not d]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
@@ -100,7 +97,7 @@ def _current_stream() -> tuple:
 class _Call:
     """One replayed micro-batch: which backward graph its backward replays."""
 
-    __slots__ = ("split", "entry", "sync", "label", "stream", "done")
+    __slots__ = ("split", "entry", "sync", "label", "stream", "done", "lane")
 
     def __init__(self, split: SplitGraphs, entry: GraphEntry, sync: bool, label: str) -> None:
         self.split, self.entry, self.sync, self.label = split, entry, sync, label
@@ -108,19 +105,22 @@ class _Call:
         # object through device lookups (~10 us, twice per micro-batch; issue 26).
         self.stream = _current_stream()
         self.done = False
+        self.lane: LaneRun | None = None
 
     def backward(self, grads) -> None:
         self.split.backward(self, grads)
 
 
-class SplitGraphs:
-    """Capture and replay of tier 2's forward, backward and step graphs."""
+class SplitGraphs(LaneGraphs):
+    """Capture and replay of tier 2's forward, backward and step graphs (and
+    the loss lane's, split_lane.py)."""
 
     def __init__(self, runner, on_backward_finished) -> None:
         self.runner = runner  # the GraphRunner: step, reducer, cache, watchdog, agreement
         self.on_backward_finished = on_backward_finished
         self.dummy = None
         self.graph_round = False  # a backward graph ran in the current autograd backward
+        self._init_lane()
 
     @property
     def step(self):
@@ -211,17 +211,23 @@ class SplitGraphs:
             # retain_graph: its saved activations are freed as its backward runs,
             # as in an eager backward, instead of all staying live next to the
             # gradients it allocates (see "Memory").
-            keys = ((False, True) if no_sync_variant else (True,)) + ("fresh",)
+            # "lane" (loss_lane.py): the loop's own loss, learned in the warm-up,
+            # replayed on the outputs, then the "fresh" backward.
+            lane = self._lane_trace(entry) if not no_sync_variant and step.grad_scaler is None else None
+            keys = ((False, True) if no_sync_variant else (True,)) + (("lane",) if lane else ()) + ("fresh",)
             for key in keys:
                 g = torch.cuda.CUDAGraph()
                 graphs[key] = g
                 reducer.enabled = key is not False
                 with torch.no_grad():
-                    if key == "fresh":
+                    if key in ("fresh", "lane"):
                         for p in reducer.params:
                             p.grad = None
                     else:
                         self.attach_grads()
+                if key == "lane":
+                    self._capture_lane(entry, g, pool, tensors, roots, lane)
+                    continue
                 with runner.capturing(g, pool), runner.casts():
                     grads = static_grads
                     if scaled is not None:
@@ -241,6 +247,8 @@ class SplitGraphs:
         if error is not None:
             reducer.abandon()
         reason, retryable = describe_capture_error(error)
+        if isinstance(error, LaneCaptureError):
+            reason, retryable = str(error), True
         paths = varying_paths(entry.unused_seen) if error is None else ""
         if paths:
             reason, retryable = paths, False
@@ -291,6 +299,8 @@ class SplitGraphs:
     def forward(self, entry: GraphEntry, leaves: list, *, sync: bool, label: str):
         """Replay the forward graph for this call; the module's outputs, as fresh
         tensors whose backward replays the backward graph."""
+        if self.lane_run is not None:
+            self.end_lane("the model was called again before backward() of the loss")
         copy_inputs(entry, leaves)
         self.reducer.enabled = sync
         self.graph_round = False  # a backward that raised never reached its callback
@@ -298,6 +308,10 @@ class SplitGraphs:
         self.runner.watchdog.replay([entry.graph], label)
         call = _Call(self, entry, sync, label)
         entry.last_call = call
+        if sync and "lane" in entry.bwd_graphs:
+            call.lane = self.lane_run = LaneRun(entry.loss_trace, entry.lane_exts,
+                                                entry.lane_meta, self._lane_commit)
+            call.lane.call = call
         outs = iter(_GraphedCall.apply(call, self.dummy))
         return map_outputs(entry.out_template, lambda t: next(outs))
 

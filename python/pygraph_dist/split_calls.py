@@ -39,7 +39,8 @@ class Tier2Calls:
             if not entry.first_seen_s:
                 entry.first_seen_s = time.perf_counter()
             entry.warmups += 1
-            return self._user_forward(args, kwargs, probe=False)
+            out = self._user_forward(args, kwargs, probe=False)
+            return self.split.record(entry, out) if self._lane_eligible() else out
         if phase == Phase.CAPTURE:
             if self.reducer.eager_buckets:
                 entry.policy.disable("tier 2 keeps every gradient bucket in the graph; buckets "
@@ -57,6 +58,16 @@ class Tier2Calls:
                 return self._user_forward(args, kwargs, probe=False)
         out = self._split_forward(entry, leaves)
         return out if out is not None else self._user_forward(args, kwargs, probe=False)
+
+    def _lane_eligible(self) -> bool:
+        """Whether this loop's loss may be learned for the "lane" graph
+        (loss_lane.py): one synchronised model call per step, no GradScaler of
+        amp="fp16" (which scales the outputs' gradients)."""
+        return (self.config.loss_graphs and not self.split.lane_failed and not self.split.lane_off
+                and self.device.type == "cuda"
+                and self.grad_scaler is None
+                and self._call_sync and self.require_sync and not self.loop.saw_no_sync
+                and self.accum.k <= 1)
 
     def _split_forward(self, entry: GraphEntry, leaves: list):
         """Replay ``entry``'s forward graph for this call, or None when it has

@@ -66,7 +66,8 @@ def test_host_cost_smoke(tmp_path):
     result = json.loads((tmp_path / "smoke.json").read_text())
     rows = {r["mode"]: r for r in result["rows"]}
     # No CUDA: the hand-written graph is left out; eager and the pgd modes ran.
-    assert set(rows) == {"eager", "pgd_tier1", "pgd_clip_in", "pgd_tier2", "pgd_clip", "pgd_accum4"}, rows
+    assert set(rows) == {"eager", "pgd_tier1", "pgd_clip_in", "pgd_tier2", "pgd_tier2_eager_loss", "pgd_clip",
+                         "pgd_accum4"}, rows
     for mode, r in rows.items():
         assert r["status"] == "ok", r
         assert r["params"] == 6 and r["wall_ms"] > 0 and r["host_us"] > 0 and r["host_p50_us"] > 0

@@ -146,9 +146,14 @@ def train(model, opt, loop, steps, rank, dev, *, scheduler=None, scaler=None, au
             with amp:
                 if loop in ("readme", "readme_clip"):
                     loss = model(x, y)
-                elif loop in ("outside", "outside_acc", "clip", "clip_varies", "clip_moded", "scaler", "dropout"):
+                elif loop in ("outside", "outside_acc", "clip", "clip_varies", "clip_moded", "scaler", "dropout",
+                              "log_first", "zero_late"):
                     out = model(x)
                     loss = F.cross_entropy(out, y)
+                    if loop == "log_first" and step % 3 == 0:
+                        log.append(("before backward", float(loss)))  # the loss read before backward()
+                    elif loop == "zero_late":
+                        opt.zero_grad()  # the tutorials' order: zero_grad() between the loss and backward()
                 elif loop == "regularizer":
                     out = model(x)
                     loss = F.cross_entropy(out, y) + 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
@@ -214,7 +219,7 @@ def _optimizer(params, name):
 
 
 # ------------------------------------------------------------------- cases
-def loop_vs_ddp(loop="readme", optimizer="adamw", steps=6, scheduler=0, amp="fp32", graphs=1):
+def loop_vs_ddp(loop="readme", optimizer="adamw", steps=6, scheduler=0, amp="fp32", graphs=1, loss_graphs=1):
     """Rank body: ``loop`` through pgd.wrap() (graphs on or off) and through DDP."""
     pgd.init()
     rank = dist.get_rank()
@@ -246,7 +251,7 @@ def loop_vs_ddp(loop="readme", optimizer="adamw", steps=6, scheduler=0, amp="fp3
     ref_log = run(ref_model, ref_opt, False)
 
     model, opt = pgd.wrap(base, _optimizer(base.parameters(), optimizer), graphs=bool(graphs),
-                          amp=None if amp == "fp32" else amp)
+                          amp=None if amp == "fp32" else amp, loss_graphs=bool(loss_graphs))
     log = run(model, opt, True)
     rep = pgd.report().models[-1]
     return {
@@ -362,6 +367,53 @@ def test_the_users_clip_is_a_graph_of_its_own_in_tier_2(ranks, loop):
     norms = [x[1] for x in g["log"]]
     assert max(norms[5:]) > 0.5, norms  # the clip changed gradients in replayed steps (5: probe, warm-up)
     assert norms == pytest.approx([x[1] for x in g["ref_log"]], rel=1e-4)
+
+
+# Tier-2 loops whose loss the "lane" graph computes (loss_lane.py), and the
+# fewest steps it must have computed; log_first reads the loss before backward()
+# every third step, which computes that step's loss eagerly.
+LANE_LOOPS = {"outside": 20, "outside_acc": 20, "two_losses": 20, "tuple": 20, "scaler": 20,
+              "dropout": 20, "clip": 20, "zero_late": 20, "log_first": 12}
+
+
+def lane_loops(steps=30):
+    """Rank body: the tier-2 loops with the loss lane, with graphs=False, and
+    (for "outside") with loss_graphs=False, each against DDP."""
+    out = {}
+    for loop in LANE_LOOPS:
+        optimizer = "sgd" if loop in ("clip", "tuple") else "adamw"
+        kw = {"loop": loop, "optimizer": optimizer, "steps": steps, "scheduler": int(loop == "outside")}
+        out[loop] = {"graphed": loop_vs_ddp(**kw, graphs=1), "eager": loop_vs_ddp(**kw, graphs=0)}
+        if loop == "outside":
+            out[loop]["no_lane"] = loop_vs_ddp(**kw, graphs=1, loss_graphs=0)
+    return out
+
+
+@pytest.mark.gpu
+def test_the_loss_outside_the_model_runs_inside_the_backward_graph(ranks):
+    """Tier 2's loss lane: the loop's own loss, learned in the warm-up, computed
+    by the backward graph at loss.backward() -- bitwise equal to graphs=False
+    (the parameters and every loss the loop logged, also one read before
+    backward()), and report() says where the loss ran."""
+    (r,) = ranks("test_loops:lane_loops", world_size=1, timeout=580)
+    failures = []
+    for loop, least in LANE_LOOPS.items():
+        g, e = r[loop]["graphed"], r[loop]["eager"]
+        m = re.search(r"your loss \(([^)]*)\) inside the backward graph \((\d+) steps", g["loop_verdict"])
+        checks = {
+            "tier 2": g["tiers"][:1] == ["2"] and g["replays"] > 20,
+            "bitwise equal to graphs=False": g["params"] == e["params"],
+            "the same logged losses": g["log"] == e["log"],
+            f"the loss in the graph >= {least} steps": m is not None and int(m.group(2)) >= least,
+        }
+        if loop == "log_first":
+            checks["the early read said"] = ("steps eager: the loss was read before backward() (float(loss))"
+                                             in g["loop_verdict"])
+        failures += [f"{loop}: not {what}\n{g['loop_verdict']}\n{g['report']}" for what, ok in checks.items() if not ok]
+    n = r["outside"]["no_lane"]
+    if n["params"] != r["outside"]["eager"]["params"] or "your loss (" in n["loop_verdict"]:
+        failures.append(f"outside, loss_graphs=False: not bitwise / still in the graph\n{n['loop_verdict']}")
+    assert not failures, "\n".join(failures)
 
 
 def all_loops(amp="fp32", steps=30):

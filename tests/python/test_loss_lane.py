@@ -1,0 +1,270 @@
+"""The loss lane's learning and matching (loss_lane.py), on the CPU.
+
+The lane's graph needs a GPU (tests/python/test_loops.py's GPU tests run it
+bitwise against graphs=False); here the parts that decide what it may replay
+are checked with a stand-in for the graph: a ``commit`` that computes the
+learned trace on the model's outputs and runs its backward, as the "lane"
+graph does. Every test compares with the loop run on a plain model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pygraph_dist.loss_lane import COMMITTED, OFF, PENDING, LaneTensor, Recorder
+from pygraph_dist.loss_match import LaneRun
+
+
+class _Copy(torch.autograd.Function):
+    """Stands in for split._GraphedCall: fresh outputs, wrapped inside forward."""
+
+    @staticmethod
+    def forward(ctx, run, x):  # noqa: ARG004
+        return tuple(run.wrap_outputs([x.detach().clone()]))[0]
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ARG004
+        return None, g
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 5))
+
+
+def _batch(step=0):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(4, 3, 8, generator=g), torch.randint(0, 5, (4, 3), generator=g)
+
+
+def gpt_loss(out, y):
+    logits = out.view(-1, out.size(-1))
+    _ = out.argmax(-1)  # a metric on the outputs, not part of the loss
+    return F.cross_entropy(logits, y.view(-1))
+
+
+def _reference(loss_fn, step=0):
+    m = _model()
+    x, y = _batch(step)
+    loss = loss_fn(m(x), y)
+    loss.backward()
+    return loss.detach(), [p.grad for p in m.parameters()]
+
+
+def _learn(loss_fn, step=0):
+    m = _model()
+    x, y = _batch(step)
+    rec = Recorder(torch.device("cpu"))
+    (out,) = rec.wrap_outputs([m(x)])
+    loss_fn(out, y).backward()
+    return rec, [p.grad for p in m.parameters()]
+
+
+class _Stand:
+    """A model call whose loss the lane may compute: ``commit`` does what the
+    "lane" graph does, on the outputs of the real forward."""
+
+    def __init__(self, trace, *, accept=True):
+        self.model = _model()
+        self.trace, self.accept, self.commits = trace, accept, 0
+
+    def call(self, x):
+        raw = self.model(x)
+        meta = (tuple(torch.Size([])), torch.float32, torch.device("cpu"))
+        run = LaneRun(self.trace, self.trace.static_exts(torch.device("cpu")), meta, self._commit)
+        run.raw = raw
+        return run, _Copy.apply(run, raw)
+
+    def _commit(self, run):
+        if not self.accept:
+            run.why = "refused"
+            return False
+        loss = self.trace.compute([run.raw], run.static_exts)
+        loss.backward()
+        with torch.no_grad():
+            torch.Tensor._make_subclass(torch.Tensor, run.pending).copy_(loss)
+        self.commits += 1
+        return True
+
+    def grads(self):
+        return [p.grad for p in self.model.parameters()]
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_the_loss_is_learned_and_the_outputs_train_as_before():
+    ref_loss, ref_grads = _reference(gpt_loss)
+    rec, grads = _learn(gpt_loss)
+    assert rec.why == "" and rec.trace is not None
+    assert rec.trace.describe() == "view -> cross_entropy"  # argmax and size() are not the loss
+    assert len(rec.trace.exts) == 1 and rec.trace.exts[0][0] == (12,)  # y.view(-1)
+    assert _same(grads, ref_grads)
+    out = _model()(_batch()[0])
+    exts = [_batch()[1].view(-1)]
+    assert torch.equal(rec.trace.compute([out], exts), ref_loss)
+
+
+def test_the_pending_loss_is_filled_by_backward_bitwise():
+    rec, _ = _learn(gpt_loss)
+    for step in range(3):
+        ref_loss, ref_grads = _reference(gpt_loss, step)
+        stand = _Stand(rec.trace)
+        x, y = _batch(step)
+        run, out = stand.call(x)
+        assert isinstance(out, LaneTensor)
+        loss = gpt_loss(out, y)
+        assert run.state == PENDING and stand.commits == 0
+        loss.backward()
+        assert run.state == COMMITTED and stand.commits == 1
+        run.end("step")
+        assert torch.equal(loss.detach(), ref_loss) and loss.item() == ref_loss.item()
+        assert _same(stand.grads(), ref_grads)
+
+
+def test_the_pending_loss_answers_its_shape_without_leaving_the_lane():
+    rec, _ = _learn(gpt_loss)
+    stand = _Stand(rec.trace)
+    x, y = _batch()
+    run, out = stand.call(x)
+    loss = gpt_loss(out, y)
+    assert loss.shape == () and loss.dim() == 0 and loss.numel() == 1 and loss.dtype == torch.float32
+    assert loss.requires_grad and loss.is_floating_point()
+    loss.backward()
+    assert run.state == COMMITTED and stand.commits == 1
+
+
+def test_reading_the_loss_before_backward_computes_it_eagerly():
+    rec, _ = _learn(gpt_loss)
+    ref_loss, ref_grads = _reference(gpt_loss)
+    stand = _Stand(rec.trace)
+    x, y = _batch()
+    run, out = stand.call(x)
+    loss = gpt_loss(out, y)
+    y.add_(1)  # the loss was computed from y as it was at the call: the lane kept a copy
+    assert loss.item() == ref_loss.item()
+    assert run.state == OFF and run.why == "the loss was read before backward() (loss.item())", run.why
+    loss.backward()  # autograd, through _Copy: tier 2 without the lane
+    assert stand.commits == 0 and _same(stand.grads(), ref_grads)
+
+
+@pytest.mark.parametrize("change", ["smoothing", "weight", "inplace"])
+def test_a_changed_loss_is_not_replayed(change):
+    """Another loss than the learned one runs eagerly, as written (tier 2)."""
+    rec, _ = _learn(gpt_loss)
+    stand = _Stand(rec.trace)
+    ref = _model()
+    x, y = _batch()
+    run, out = stand.call(x)
+    if change == "smoothing":
+        loss = F.cross_entropy(out.view(-1, 5), y.view(-1), label_smoothing=0.1)
+        want = F.cross_entropy(ref(x).view(-1, 5), y.view(-1), label_smoothing=0.1)
+    elif change == "weight":
+        w = torch.arange(1.0, 6.0)
+        loss = F.cross_entropy(out.view(-1, 5), y.view(-1), weight=w)
+        want = F.cross_entropy(ref(x).view(-1, 5), y.view(-1), weight=w)
+    else:
+        out.mul_(2)
+        loss = gpt_loss(out, y)
+        want = gpt_loss(ref(x) * 2, y)
+    assert not isinstance(loss, LaneTensor) or run.state == OFF
+    loss.backward()
+    want.backward()
+    run.end("step")
+    assert stand.commits == 0
+    assert torch.equal(loss.detach(), want.detach())
+    assert _same(stand.grads(), [p.grad for p in ref.parameters()])
+
+
+def test_another_target_of_the_same_shape_is_replayed_with_its_values():
+    rec, _ = _learn(gpt_loss)
+    stand = _Stand(rec.trace)
+    x, y = _batch()
+    y2 = (y + 1) % 5
+    ref_loss, _ = _reference(lambda o, _y: gpt_loss(o, y2))
+    run, out = stand.call(x)
+    loss = gpt_loss(out, y2)
+    loss.backward()
+    assert stand.commits == 1 and torch.equal(loss.detach(), ref_loss)
+
+
+def test_backward_refused_by_the_engine_falls_back_to_autograd():
+    rec, _ = _learn(gpt_loss)
+    ref_loss, ref_grads = _reference(gpt_loss)
+    stand = _Stand(rec.trace, accept=False)
+    x, y = _batch()
+    run, out = stand.call(x)
+    loss = gpt_loss(out, y)
+    loss.backward()
+    assert run.state == OFF and run.why == "refused"
+    assert _same(stand.grads(), ref_grads) and loss.item() == ref_loss.item()
+
+
+def test_a_step_without_backward_leaves_the_loss_readable():
+    rec, _ = _learn(gpt_loss)
+    ref_loss, _ = _reference(gpt_loss)
+    stand = _Stand(rec.trace)
+    x, y = _batch()
+    run, out = stand.call(x)
+    loss = gpt_loss(out, y)
+    run.end("optimizer.step() came before backward() of the loss")
+    assert loss.item() == ref_loss.item() and stand.commits == 0
+    assert all(p.grad is None for p in stand.model.parameters())
+
+
+@pytest.mark.parametrize("loss_fn,why", [
+    (lambda o, y: F.cross_entropy(F.dropout(o, 0.1), y.view(-1)), "random numbers"),
+    (lambda o, y: F.cross_entropy(o.masked_fill_(o > 3, 0).view(-1, 5), y.view(-1)), "changed in place"),
+    (lambda o, y: F.cross_entropy(o.view(-1, 5), y.view(-1)) + _W.sum(), "requires grad"),
+])
+def test_what_cannot_be_replayed_is_not_learned(loss_fn, why):
+    m = _model()
+    x, y = _batch()
+    rec = Recorder(torch.device("cpu"))
+    (out,) = rec.wrap_outputs([m(x).view(-1, 5)])
+    loss_fn(out, y).backward()
+    assert rec.trace is None and why in rec.why, rec.why
+
+
+_W = torch.ones(3, requires_grad=True)
+
+
+def test_backward_with_arguments_is_not_learned():
+    m = _model()
+    x, y = _batch()
+    rec = Recorder(torch.device("cpu"))
+    (out,) = rec.wrap_outputs([m(x)])
+    gpt_loss(out, y).backward(retain_graph=True)
+    assert rec.trace is None and "with arguments" in rec.why
+
+
+@pytest.mark.parametrize("read_first", [False, True])
+def test_a_finished_step_leaves_nothing_to_the_garbage_collector(read_first):
+    """The outputs point at their run; nothing of a finished step may point back
+    (a cycle keeps the outputs, and the eager loss's autograd graph, until the
+    cyclic collector runs: gigabytes of logits on a language model)."""
+    import gc
+    import weakref
+
+    rec, _ = _learn(gpt_loss)
+    stand = _Stand(rec.trace)
+    x, y = _batch()
+    gc.collect()
+    gc.disable()
+    try:
+        run, out = stand.call(x)
+        loss = gpt_loss(out, y)
+        if read_first:
+            loss.item()
+        loss.backward()
+        run.end("optimizer.step()")
+        run.raw = None  # the stand-in's own reference
+        refs = [weakref.ref(t) for t in (out, loss, run)]
+        del out, loss, run
+        assert [r() is None for r in refs] == [True, True, True]
+    finally:
+        gc.enable()
