@@ -48,11 +48,12 @@ class EngineState:
 
         from .report import ModelReport
 
+        tier2 = ""
         if self.loop.verdict:
             loop = f"not graphable: {self.loop.verdict}"
         elif self.loop.probe_done and self.loop.split_reason:
             # What the check found; what ran is the signatures' (report.summarize).
-            clip = "; ".join(d for d in (self.split.describe_lane(), self.split_clip.describe()) if d)
+            clip = tier2 = "; ".join(d for d in (self.split.describe_lane(), self.split_clip.describe()) if d)
             loop = (f"fits tier 2 (graphs per micro-batch, your code between them{'; ' + clip if clip else ''}); "
                     f"not tier 1 because: {self.loop.split_reason}")
         elif self.loop.probe_done:
@@ -79,6 +80,7 @@ class EngineState:
             accumulation=self.accum.describe(), stock_backend=stock,
             tier1_needs=self.loop.split_reason if self.loop.probe_done else "",
             inner_autocast=self._inner_seen[0] if self._inner_seen else "",
+            tier2_user_code=tier2,
         )
 
     # ================================================================ teardown

@@ -37,6 +37,7 @@ class LaneRun:
         self.state = MATCHING
         self.pos = 0
         self._pending = lambda: None  # a weak reference to the pending loss handed out
+        self.derived: list = []  # weak references to its detach()/clone() copies, waiting too
         self.real = None  # the loss computed eagerly, once the lane is off after the loss call
         self.terminal_call = None  # (op, leaves) of the loss's call, to compute it eagerly
         self.why = ""  # why this step left the lane
@@ -116,7 +117,7 @@ class LaneRun:
         self.terminal_call = (op, leaves)
         shape, dtype, device = self.loss_meta
         pending = torch.Tensor._make_subclass(LaneTensor, torch.empty(shape, dtype=dtype, device=device), True)
-        pending._pgd_owner, pending._pgd_slot = self, self.trace.terminal
+        pending._pgd_owner, pending._pgd_slot, pending._pgd_waiting = self, self.trace.terminal, True
         # Weak: the pending loss points here (its owner); a strong reference back
         # would keep both, and the eagerly computed loss with its autograd graph,
         # until the cyclic garbage collector runs.
@@ -134,6 +135,11 @@ class LaneRun:
                     return None
             elif target is not self.pending and _owner((target,), {}) is not self:
                 return _plain(func, args, kwargs)  # a backward of something else entirely
+        elif (func is torch.Tensor.detach or func is torch.Tensor.clone) and len(args) == 1 and not kwargs \
+                and self._waiting(args[0]):
+            # loss.detach() for logging, Lightning's detach().clone(): a copy that
+            # waits for the value too (no autograd through a detached copy).
+            return self._derive(grad=func is torch.Tensor.clone and args[0].requires_grad)
         elif _name(func) in _METADATA or (
                 not self._involves_pending(args, kwargs) and not _mutating(_name(func), kwargs)):
             return _plain(func, args, kwargs)  # the loss's shape, or another call on an output (logging)
@@ -145,10 +151,31 @@ class LaneRun:
     def pending(self):
         return self._pending()
 
+    def _waiting(self, x) -> bool:
+        """``x`` is the pending loss, or a copy of it, still without its value."""
+        return isinstance(x, LaneTensor) and x._pgd_owner is self and getattr(x, "_pgd_waiting", False)
+
     def _involves_pending(self, args, kwargs) -> bool:
-        p = self.pending
-        return any(a is p for a in args) or any(a is p for a in kwargs.values()) or any(
-            isinstance(a, (list, tuple)) and any(b is p for b in a) for a in args)
+        return any(self._waiting(a) for a in args) or any(self._waiting(a) for a in kwargs.values()) or any(
+            isinstance(a, (list, tuple)) and any(self._waiting(b) for b in a) for a in args)
+
+    def _derive(self, *, grad: bool) -> LaneTensor:
+        shape, dtype, device = self.loss_meta
+        d = torch.Tensor._make_subclass(LaneTensor, torch.empty(shape, dtype=dtype, device=device), grad)
+        d._pgd_owner, d._pgd_slot, d._pgd_waiting = self, -1, True
+        self.derived.append(weakref.ref(d))
+        return d
+
+    def _waiting_copies(self) -> list:
+        return [d for d in (r() for r in self.derived) if d is not None]
+
+    def fill(self, value: torch.Tensor) -> None:
+        """The graph computed the loss: ``value`` into the pending loss and its copies."""
+        for t in [self.pending, *self._waiting_copies()]:
+            if t is not None:
+                _fill(t, value)
+                t._pgd_waiting = False
+        self.derived = []
 
     # ----------------------------------------------------------- leaving
     def realize(self, why: str) -> None:
@@ -158,9 +185,19 @@ class LaneRun:
             return
         op, leaves = self.terminal_call
         self.terminal_call = None
-        if self.pending is not None:  # nobody holds the loss any more: nothing to compute
+        p, copies = self.pending, self._waiting_copies()
+        if p is not None or copies:  # else nobody holds the loss any more: nothing to compute
             leaves = [self.static_exts[v] if k == "e" else x for (k, v), x in zip(op.code, leaves)]
-            self.real = _run(op, leaves, self.trace.device_type)
+            real = self.real = _run(op, leaves, self.trace.device_type)
+            if p is not None:
+                p._pgd_real, p._pgd_waiting = real, False
+            for d in copies:  # a detached copy takes the value; a clone stands for real.clone()
+                if d.requires_grad:
+                    d._pgd_real = real.clone()
+                else:
+                    _fill(d, real.detach())
+                d._pgd_waiting = False
+        self.derived = []
         self.off(why)
 
     def off(self, why: str) -> None:
@@ -179,15 +216,24 @@ class LaneRun:
         # (they point here) may keep them, or the loss's autograd graph, alive.
         self.terminal_call = None
         self.ext_seen.clear()
-        if self.real is not None:
+        if self.real is not None:  # the loss's autograd graph goes with the step
             self.real = self.real.detach()
+            p = self.pending
+            if p is not None:
+                p._pgd_real = self.real
         if self.call is not None:
             self.call.lane = None
             self.call = None
 
     def _swap(self, args, kwargs):
-        p, real = self.pending, self.real
-        if p is None or real is None:
+        """The eagerly computed loss (or its clone) for the pending one in a call."""
+        if self.real is None:
             return args, kwargs
-        return pytree.tree_map(lambda x: real if x is p else x, (args, kwargs))
+        return pytree.tree_map(lambda x: getattr(x, "_pgd_real", x) if isinstance(x, LaneTensor) else x,
+                               (args, kwargs))
+
+
+def _fill(t: torch.Tensor, value: torch.Tensor) -> None:
+    with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
+        t.detach().copy_(value)
 

@@ -125,6 +125,8 @@ class ModelReport:
     stock_backend: bool = False
     # The loop fits tier 2: what the probe saw that keeps it from tier 1.
     tier1_needs: str = ""
+    # Tier 2: where your own code's loss and clip ran (loss_lane.py, split_clip.py).
+    tier2_user_code: str = ""
     # Autocast entered inside the module's forward ("bf16", "fp16"; "" if none seen
     # by the probe), e.g. Accelerate's, which patches it into forward.
     inner_autocast: str = ""
@@ -304,6 +306,7 @@ def summarize(m: ModelReport) -> dict:
     ``events``: counted groups [{event, detail, varies, count, signatures,
     first_iteration, last_iteration, outcome, last_detail}];
     ``stock_backend``; ``tier1_needs``: [reason item] (only while a tier-2 graph is held);
+    ``tier2_user_code``: where tier 2 ran your loss and clip ("" without tier 2);
     ``eval``: {calls, replayed, eager, signatures, eager_reasons} of the calls made
     without autograd (evaluation.py), which the keys above leave out.
     """
@@ -337,6 +340,7 @@ def summarize(m: ModelReport) -> dict:
         "events": _event_groups(m.events),
         "stock_backend": m.stock_backend,
         "tier1_needs": reason_items(m.tier1_needs, m.world_size) if "2" in live else [],
+        "tier2_user_code": m.tier2_user_code if "2" in live or "2" in was else "",
     }
 
 

@@ -123,6 +123,8 @@ def _default(m: ModelReport) -> list[str]:
         lines.append(f"  eager: {_with_fix(r['short'], r['fix'])}")
     if len(reasons) > room:
         lines[-1] += f" (and {len(reasons) - room} more reasons for eager steps)"
+    if s["tier2_user_code"]:
+        lines.append(f"  tier 2 ran: {s['tier2_user_code']}")
     if s["tier1_needs"]:
         more = f" (+{len(s['tier1_needs']) - 1} more)" if len(s["tier1_needs"]) > 1 else ""
         lines.append(f"  not tier 1 because: {brief(s['tier1_needs'][0])}{more}")

@@ -103,8 +103,7 @@ class LaneGraphs:
             run.why = "gradients were present at backward() (no zero_grad(set_to_none=True) before it)"
         else:
             self.runner.watchdog.replay([entry.bwd_graphs["lane"]], call.label)
-            with torch.no_grad():
-                torch.Tensor._make_subclass(torch.Tensor, run.pending).copy_(entry.lane_loss)
+            run.fill(entry.lane_loss)
             reducer.expose_grads()
             reducer.rounds += 1
             self.lane_steps += 1

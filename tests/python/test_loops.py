@@ -147,13 +147,15 @@ def train(model, opt, loop, steps, rank, dev, *, scheduler=None, scaler=None, au
                 if loop in ("readme", "readme_clip"):
                     loss = model(x, y)
                 elif loop in ("outside", "outside_acc", "clip", "clip_varies", "clip_moded", "scaler", "dropout",
-                              "log_first", "zero_late"):
+                              "log_first", "zero_late", "detach_first"):
                     out = model(x)
                     loss = F.cross_entropy(out, y)
                     if loop == "log_first" and step % 3 == 0:
                         log.append(("before backward", float(loss)))  # the loss read before backward()
                     elif loop == "zero_late":
                         opt.zero_grad()  # the tutorials' order: zero_grad() between the loss and backward()
+                    elif loop == "detach_first":
+                        early = loss.detach()  # nanoGPT's micro_losses.append(loss.detach()) before backward()
                 elif loop == "regularizer":
                     out = model(x)
                     loss = F.cross_entropy(out, y) + 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
@@ -191,6 +193,8 @@ def train(model, opt, loop, steps, rank, dev, *, scheduler=None, scaler=None, au
             if loop in ("outside_acc", "dict", "hf"):
                 logits = out if loop == "outside_acc" else (out["logits"] if loop == "dict" else out.logits)
                 log.append((float(loss), float((logits.argmax(-1) == y).float().mean())))
+            elif loop == "detach_first":
+                log.append(float(early))
             elif loop in ("readme_clip", "clip", "clip_varies", "clip_moded"):  # the norm returned, as scripts log it
                 log.append((float(loss), float(norm)))
             else:
@@ -373,7 +377,7 @@ def test_the_users_clip_is_a_graph_of_its_own_in_tier_2(ranks, loop):
 # fewest steps it must have computed; log_first reads the loss before backward()
 # every third step, which computes that step's loss eagerly.
 LANE_LOOPS = {"outside": 20, "outside_acc": 20, "two_losses": 20, "tuple": 20, "scaler": 20,
-              "dropout": 20, "clip": 20, "zero_late": 20, "log_first": 12}
+              "dropout": 20, "clip": 20, "zero_late": 20, "detach_first": 20, "log_first": 12}
 
 
 def lane_loops(steps=30):

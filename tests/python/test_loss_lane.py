@@ -84,8 +84,7 @@ class _Stand:
             return False
         loss = self.trace.compute([run.raw], run.static_exts)
         loss.backward()
-        with torch.no_grad():
-            torch.Tensor._make_subclass(torch.Tensor, run.pending).copy_(loss)
+        run.fill(loss.detach())
         self.commits += 1
         return True
 
@@ -268,3 +267,25 @@ def test_a_finished_step_leaves_nothing_to_the_garbage_collector(read_first):
         assert [r() is None for r in refs] == [True, True, True]
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("read", ["after", "before"])
+def test_detached_copies_of_the_pending_loss_wait_for_its_value(read):
+    """nanoGPT's micro_losses.append(loss.detach()) and Lightning's
+    loss.detach().clone() before backward(): copies that get the value the
+    graph computes (or, when the step leaves the lane, the eager one)."""
+    rec, _ = _learn(gpt_loss)
+    ref_loss, ref_grads = _reference(gpt_loss)
+    stand = _Stand(rec.trace)
+    x, y = _batch()
+    run, out = stand.call(x)
+    loss = gpt_loss(out, y)
+    logged = [loss.detach(), loss.detach().clone()]
+    assert run.state == PENDING and not logged[0].requires_grad
+    if read == "before":
+        assert float(logged[1]) == ref_loss.item()  # the step leaves the lane
+    loss.backward()
+    run.end("step")
+    assert stand.commits == (1 if read == "after" else 0)
+    assert [t.item() for t in logged] == [ref_loss.item()] * 2 and loss.item() == ref_loss.item()
+    assert _same(stand.grads(), ref_grads)

@@ -10,6 +10,8 @@ eager signature); the rank tests run real loops (CPU: 2 Gloo ranks; GPU: tier
 
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 import contextlib
 import importlib
@@ -187,6 +189,20 @@ def test_tier2_running_and_a_short_batch_eager():
                for line in verbose.splitlines()), verbose
     assert max(len(line) for line in verbose.splitlines()) <= 160, verbose
     assert summarize(m)["status"] == "partly eager"
+
+
+def test_tier2_says_where_your_loss_and_clip_ran():
+    """The default form's tier-2 line: the loss lane and the clip, counted."""
+    lane = ("your loss (cross_entropy) inside the backward graph (270 steps; 10 steps eager: the loss was "
+            "read before backward() (loss.item())); your clip_grad_norm_(max_norm=1) a graph of its own "
+            "(280 replays)")
+    m = dataclasses.replace(tier2_live_and_short_batch(), tier2_user_code=lane)
+    text = str(Report([m]))
+    assert f"tier 2 ran: {lane}" in flat(text), text
+    assert len(text.splitlines()) <= MAX_LINES, text
+    assert summarize(m)["tier2_user_code"] == lane
+    # Without tier 2 nothing is said.
+    assert "tier 2 ran:" not in str(Report([dataclasses.replace(tier2_live_and_short_batch(), tier2_user_code="")]))
 
 
 def test_tier1_timed_and_precision_of_wrap_amp():
