@@ -45,6 +45,8 @@ inside the graph instead of eagerly.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -125,6 +127,14 @@ class LaneTensor(torch.Tensor):
 
     _pgd_owner = None
     _pgd_slot = -1
+
+    def __reduce_ex__(self, proto):  # torch.save, pickle: a plain tensor (the lane is this process's)
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.Tensor._make_subclass(torch.Tensor, self, self.requires_grad).__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo):
+        with torch._C.DisableTorchFunctionSubclass():
+            return copy.deepcopy(torch.Tensor._make_subclass(torch.Tensor, self, self.requires_grad), memo)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -325,6 +335,8 @@ class Recorder:
                     if x.requires_grad:
                         return (f"{name}() in the loss reads a tensor that requires grad besides the model "
                                 "call's outputs")
-                    if x.device != self.device or x.is_sparse or x.layout != torch.strided:
-                        return f"{name}() in the loss reads a tensor that is not a dense tensor on the model's device"
+                    if x.device != self.device or x.layout != torch.strided or not x.is_contiguous():
+                        # (contiguous: the static copy must be laid out as the tensor it stands for)
+                        return (f"{name}() in the loss reads a tensor that is not a contiguous dense tensor on "
+                                "the model's device")
         return ""

@@ -101,7 +101,7 @@ class LaneRun:
                 shape, dtype, device = self.trace.exts[v]
                 if not isinstance(x, torch.Tensor) or (isinstance(x, LaneTensor) and x._pgd_owner is self) \
                         or x.dtype != dtype or x.device != device or tuple(x.shape) != shape \
-                        or x.requires_grad or x.layout != torch.strided \
+                        or x.requires_grad or x.layout != torch.strided or not x.is_contiguous() \
                         or self.ext_seen.setdefault(v, x) is not x:
                     return False
             elif type(x) is not type(v) or x != v:

@@ -188,6 +188,7 @@ class SplitGraphs(LaneGraphs):
         reserved0 = torch.cuda.memory_reserved(device)
         t0 = time.perf_counter()
         error: BaseException | None = None
+        lane = None
 
         try:
             with runner.capturing(fwd, pool), runner.casts():
@@ -263,6 +264,9 @@ class SplitGraphs(LaneGraphs):
             explain=agreement.explain_mismatch, retryable=retryable,
         )
         if not verdict.agreed:
+            if lane is not None and not self.lane_failed:  # the next capture goes without it, on every rank
+                self.lane_failed = True
+                self.lane_why = f"a tier-2 capture with it failed: {str(verdict.reason)[:200]}"
             runner._restore_after_failed_capture(generator, rng_snapshot)  # noqa: SLF001
             discard(fwd)
             for g in graphs.values():

@@ -289,3 +289,32 @@ def test_detached_copies_of_the_pending_loss_wait_for_its_value(read):
     assert stand.commits == (1 if read == "after" else 0)
     assert [t.item() for t in logged] == [ref_loss.item()] * 2 and loss.item() == ref_loss.item()
     assert _same(stand.grads(), ref_grads)
+
+
+def test_outputs_save_and_copy_as_plain_tensors(tmp_path):
+    """torch.save / deepcopy of an output (predictions kept for analysis): a
+    plain tensor, not the lane's state (which is this process's)."""
+    import copy
+
+    rec, _ = _learn(gpt_loss)
+    stand = _Stand(rec.trace)
+    x, y = _batch()
+    run, out = stand.call(x)
+    torch.save({"logits": out}, tmp_path / "o.pt")
+    back = torch.load(tmp_path / "o.pt")["logits"]
+    assert type(back) is torch.Tensor and torch.equal(back, out.detach())
+    loss = gpt_loss(out, y)
+    loss.backward()
+    assert stand.commits == 1
+    dup = copy.deepcopy(loss)  # a leaf (the pending loss, filled in)
+    assert type(dup) is torch.Tensor and dup.item() == loss.item()
+
+
+def test_a_strided_target_is_not_learned():
+    m = _model()
+    x, y = _batch()
+    rec = Recorder(torch.device("cpu"))
+    (out,) = rec.wrap_outputs([m(x)])
+    yt = y.t().contiguous().t()  # the same values, column-major
+    F.cross_entropy(out.view(-1, 5).view(4, 3, 5).transpose(1, 2), yt).backward()
+    assert rec.trace is None and "contiguous" in rec.why, rec.why
