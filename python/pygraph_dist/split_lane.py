@@ -19,6 +19,10 @@ from .loss_match import LaneRun
 from .outputs import map_outputs
 
 
+def _steps(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
+
+
 class LaneCaptureError(RuntimeError):
     """The loss lane's graph could not be captured: tier 2 captures again without it."""
 
@@ -100,7 +104,8 @@ class LaneGraphs:
         if entry.last_call is not call or "lane" not in entry.bwd_graphs:
             run.why = "the model was called again before backward()"
         elif reducer._finalize_queued or not reducer.all_grads_none():  # noqa: SLF001
-            run.why = "gradients were present at backward() (no zero_grad(set_to_none=True) before it)"
+            run.why = ("gradients were present at backward() (the step that captured the graphs, or no "
+                       "zero_grad(set_to_none=True) since the last step)")
         else:
             self.runner.watchdog.replay([entry.bwd_graphs["lane"]], call.label)
             run.fill(entry.lane_loss)
@@ -124,8 +129,8 @@ class LaneGraphs:
         """For the loop line of ``report()``: where the loop's loss ran."""
         if self.lane:
             counts = sorted(self.lane_misses.items(), key=lambda kv: -kv[1])
-            eager = "".join(f"; {n} steps eager: {why}" for why, n in counts[:2])
-            return f"your loss ({self.lane}) inside the backward graph ({self.lane_steps} steps{eager})"
+            eager = "".join(f"; {_steps(n)} eager: {why}" for why, n in counts[:2])
+            return f"your loss ({self.lane}) inside the backward graph ({_steps(self.lane_steps)}{eager})"
         if self.lane_why:
             return f"your loss eager between the graphs ({self.lane_why})"
         return "your loss eager between the graphs (PYGRAPH_DIST_LOSS_GRAPHS=0)" if self.lane_off else ""
