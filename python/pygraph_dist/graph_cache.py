@@ -241,7 +241,7 @@ class GraphCache:
         entry.last_call = None
         entry.sparse_grads = {}
         entry.static_result = None
-        entry.lane_loss, entry.lane_exts = None, []
+        entry.lane_loss, entry.lane_exts, entry.lane_recorder = None, [], None
 
     def invalidate(self, entry: GraphEntry, iteration: int, reason: str) -> None:
         self.release(entry)

@@ -27,30 +27,34 @@ state, for the loss the loop computes the same way every step:
   outputs, then ``autograd.backward(outputs, grads)``, the all-reduces inside;
 * **replay** (:class:`LaneRun`, one per model call): the calls on the outputs
   are matched against the trace, in order. Intermediate results are computed
-  eagerly (usually views); the call that produces the loss is not: its
-  tensors are copied into the static copies and the caller gets a *pending*
-  loss. ``loss.backward()`` on it replays the ``"lane"`` graph and fills the
-  loss in. A loop that reads the pending loss before ``backward()`` (or
-  anything else the graph cannot replay: gradients present, a later model
-  call in between, a GradScaler's step) gets the loss computed eagerly at
-  that moment from the values it was computed from, and the step continues
-  exactly as tier 2 without the lane.
+  eagerly as well (a view costs nothing; ``cross_entropy`` before ``/ k`` or
+  ``scaler.scale()`` runs twice, once here and once in the graph); the call
+  that produces the loss is not: its tensors are copied into the static
+  copies and the caller gets a *pending* loss. ``loss.backward()`` on it
+  replays the ``"lane"`` graph and fills the loss in. A loop that reads the
+  pending loss before ``backward()`` (or anything else the graph cannot
+  replay: gradients present, a later model call in between, a hook) gets the
+  loss computed eagerly at that moment from the values it was computed from,
+  and the step continues exactly as tier 2 without the lane.
 
 Calls on the outputs that are not the trace's next call (logging, metrics) run
 as written and do not end the lane; an in-place change of an output or of a
-trace result does. The lane is bitwise equal to tier 2 without it (and so to
-``graphs=False``): the same kernels on the same values, the loss's backward
-inside the graph instead of eagerly.
+trace result (through any view: their version counters are compared) and a
+hook registered on one do. The lane is bitwise equal to tier 2 without it (and
+so to ``graphs=False``): the same kernels on the same values, the loss's
+backward inside the graph instead of eagerly (autocast's cast cache off there:
+the outputs are leaves inside the capture, which eager casts would not cache).
 """
 
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 import torch.utils._pytree as pytree
 
-_SIMPLE = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout,
+_SIMPLE = (type(None), bool, int, float, str, slice, torch.dtype, torch.device, torch.layout,
            torch.memory_format, torch.Size, type(Ellipsis))
 _RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal", "uniform", "exponential")
 _MAX_OPS = 64
@@ -85,8 +89,13 @@ def _call_text(func) -> str:
     return f"loss.{name}()" if hasattr(torch.Tensor, name) else f"{name}(loss)"
 
 
+# Calls that attach something to a tensor's backward: the graph computes the
+# outputs' gradients without the user's hook (or retained .grad).
+HOOKS = {"register_hook", "retain_grad", "register_post_accumulate_grad_hook"}
+
+
 def _mutating(name: str, kwargs: dict) -> bool:
-    if kwargs.get("out") is not None:
+    if kwargs.get("out") is not None or kwargs.get("inplace") is True:
         return True
     if name.startswith("__i") or name in ("__setitem__", "__set__", "copy_", "set_"):
         return True
@@ -128,13 +137,20 @@ class LaneTensor(torch.Tensor):
     _pgd_owner = None
     _pgd_slot = -1
 
-    def __reduce_ex__(self, proto):  # torch.save, pickle: a plain tensor (the lane is this process's)
+    def _settled(self) -> torch.Tensor:
+        """This tensor's value as a plain tensor (a pending loss computed first)."""
+        owner = self._pgd_owner
+        if owner is not None and getattr(self, "_pgd_waiting", False):
+            owner.realize("the loss was saved or copied before backward()")
+        t = getattr(self, "_pgd_real", self)
         with torch._C.DisableTorchFunctionSubclass():
-            return torch.Tensor._make_subclass(torch.Tensor, self, self.requires_grad).__reduce_ex__(proto)
+            return torch.Tensor._make_subclass(torch.Tensor, t, t.requires_grad)
+
+    def __reduce_ex__(self, proto):  # torch.save, pickle: a plain tensor (the lane is this process's)
+        return self._settled().__reduce_ex__(proto)
 
     def __deepcopy__(self, memo):
-        with torch._C.DisableTorchFunctionSubclass():
-            return copy.deepcopy(torch.Tensor._make_subclass(torch.Tensor, self, self.requires_grad), memo)
+        return copy.deepcopy(self._settled(), memo)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -204,11 +220,38 @@ class LossTrace:
         return [slots[v] if k == "s" else exts[v] if k == "e" else v for k, v in op.code]
 
 
+def version(t: torch.Tensor) -> int:
+    with torch._C.DisableTorchFunctionSubclass():
+        return t._version
+
+
+def changed(versions: list) -> bool:
+    """Whether a tensor of ``versions`` ((weak ref, _version) pairs) changed in place since."""
+    for ref, v in versions:
+        t = ref()
+        if t is not None and version(t) != v:
+            return True
+    return False
+
+
+def rebuild(result, wrapped: list):
+    """``result`` (a tensor, or a tuple, list or named result such as max()'s)
+    with ``wrapped`` in place of its tensors."""
+    if isinstance(result, torch.Tensor):
+        return wrapped[0]
+    try:
+        return type(result)(wrapped)
+    except TypeError:
+        return tuple(wrapped)
+
+
 def _run(op: TraceOp, leaves: list, device_type: str):
     args, kwargs = pytree.tree_unflatten(leaves, op.spec)
     enabled, dtype = op.autocast
     # Explicitly on or off: the engine's own autocast (amp=...) must not reach the loss.
-    with torch.autocast(device_type, dtype=dtype, enabled=enabled), torch.enable_grad():
+    # No cast cache: inside the capture the outputs are leaves that require grad,
+    # whose casts autocast would cache and share between calls (eager: not leaves).
+    with torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False), torch.enable_grad():
         return _plain(op.func, args, kwargs)
 
 
@@ -239,13 +282,16 @@ class Recorder:
         self.next_slot = 0
         self.n_outs = 0
         self.dirty: set[int] = set()  # slots changed in place
+        self.versions: list = []  # (weak ref, _version) of the outputs and every result
         self.trace: LossTrace | None = None
         self.why = ""
 
     def wrap_outputs(self, tensors: list[torch.Tensor]) -> list:
         self.next_slot = len(tensors)
         self.n_outs = len(tensors)
-        return [track(t, self, i) for i, t in enumerate(tensors)]
+        wrapped = [track(t, self, i) for i, t in enumerate(tensors)]
+        self.versions = [(weakref.ref(t), version(t)) for t in wrapped]
+        return wrapped
 
     def op(self, func, args, kwargs):
         if func is torch.Tensor.backward or func is torch.autograd.backward:
@@ -270,20 +316,32 @@ class Recorder:
         name = _name(func)
         if _mutating(name, kwargs):
             self.dirty.update(v for k, v in code if k == "s")
+        if name in HOOKS and any(k == "s" for k, _ in code):
+            self.why = f"{name}() on an output of the model call (or a tensor computed from it)"
         result = _plain(func, args, kwargs)
         tensors = _tensors_of(result)
         if tensors is None or _mutating(name, kwargs):
             return result
         outs = list(range(self.next_slot, self.next_slot + len(tensors)))
         self.next_slot += len(tensors)
+        self.versions.extend((weakref.ref(t), version(t)) for t in tensors)
         self.ops.append(TraceOp(func, spec, tuple(code), tuple(outs),
                                 _autocast_state(self.device.type) + (torch.is_grad_enabled(),)))
-        wrapped = [track(t, self, s) for t, s in zip(tensors, outs)]
-        if isinstance(result, torch.Tensor):
-            return wrapped[0]
-        return type(result)(wrapped) if type(result) in (tuple, list) else tuple(wrapped)
+        return rebuild(result, [track(t, self, s) for t, s in zip(tensors, outs)])
 
     def _finish(self, target, extra: bool) -> None:
+        why = self.why
+        self.why = ""
+        self._learn(target, extra)
+        self.why = why or self.why
+        if self.why:
+            self.trace = None
+        self.exts, self.ext_index = [], {}  # the trace keeps their shapes; not the user's tensors
+
+    def _learn(self, target, extra: bool) -> None:
+        if changed(self.versions):  # through any alias: views and detach() share the counter
+            self.why = "an output of the model call (or a tensor computed from it) was changed in place"
+            return
         if not (isinstance(target, LaneTensor) and target._pgd_owner is self):
             self.why = "backward() was called on a tensor not computed from the model call's outputs"
             return

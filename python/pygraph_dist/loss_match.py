@@ -19,8 +19,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from .loss_lane import (
-    _METADATA, COMMITTED, MATCHING, OFF, PENDING, LaneTensor, LossTrace, TraceOp, _backward_target, _call_text,
-    _mutating, _name, _owner, _plain, _run, _tensors_of, track,
+    _METADATA, COMMITTED, HOOKS, MATCHING, OFF, PENDING, LaneTensor, LossTrace, TraceOp, _backward_target,
+    _call_text, _mutating, _name, _owner, _plain, _run, _tensors_of, changed, rebuild, track, version,
 )
 
 
@@ -41,10 +41,13 @@ class LaneRun:
         self.real = None  # the loss computed eagerly, once the lane is off after the loss call
         self.terminal_call = None  # (op, leaves) of the loss's call, to compute it eagerly
         self.why = ""  # why this step left the lane
+        self.versions: list = []  # (weak ref, _version) of the outputs and the trace's results
 
     def wrap_outputs(self, tensors) -> list:
         """The forward graph's fresh output copies (inside ``_GraphedCall.forward``)."""
-        return [track(t, self, i, fresh=True) for i, t in enumerate(tensors)]
+        wrapped = [track(t, self, i, fresh=True) for i, t in enumerate(tensors)]
+        self.versions = [(weakref.ref(t), version(t)) for t in wrapped]
+        return wrapped
 
     # ------------------------------------------------------------- calls
     def op(self, func, args, kwargs):
@@ -71,13 +74,19 @@ class LaneRun:
         op = trace.ops[self.pos]
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if func is not op.func or not self._matches(op, leaves, spec):
-            if _mutating(_name(func), kwargs):
-                self.off(f"{_name(func)}() changed an output of the model call in place")
+            name = _name(func)
+            if _mutating(name, kwargs):
+                self.off(f"{name}() changed an output of the model call in place")
+            elif name in HOOKS:
+                self.off(f"{name}() on an output of the model call")
             return _plain(func, args, kwargs)
         for (k, v), x in zip(op.code, leaves):
             if k == "e":
                 self.static_exts[v].copy_(x)
         if self.pos == len(trace.ops) - 1:
+            if changed(self.versions):  # through a view or detach() of an output, or no_grad
+                self.off("an output of the model call was changed in place before the loss")
+                return _plain(func, args, kwargs)
             return self._loss_call(op, leaves)
         self.pos += 1
         result = _plain(func, args, kwargs)
@@ -86,9 +95,8 @@ class LaneRun:
             self.off(f"{_name(func)}() returned something else than when the loss was learned")
             return result
         wrapped = [track(t, self, s) for t, s in zip(tensors, op.outs)]
-        if isinstance(result, torch.Tensor):
-            return wrapped[0]
-        return type(result)(wrapped) if type(result) in (tuple, list) else tuple(wrapped)
+        self.versions.extend((weakref.ref(t), version(t)) for t in wrapped)
+        return rebuild(result, wrapped)
 
     def _matches(self, op: TraceOp, leaves: list, spec) -> bool:
         if len(leaves) != len(op.code) or spec != op.spec:
@@ -141,7 +149,8 @@ class LaneRun:
             # waits for the value too (no autograd through a detached copy).
             return self._derive(grad=func is torch.Tensor.clone and args[0].requires_grad)
         elif _name(func) in _METADATA or (
-                not self._involves_pending(args, kwargs) and not _mutating(_name(func), kwargs)):
+                not self._involves_pending(args, kwargs) and not _mutating(_name(func), kwargs)
+                and _name(func) not in HOOKS):
             return _plain(func, args, kwargs)  # the loss's shape, or another call on an output (logging)
         self.realize(self.why or f"the loss was read before backward() ({_call_text(func)})")
         args, kwargs = self._swap(args, kwargs)
@@ -183,6 +192,12 @@ class LaneRun:
         the values the loss call saw (the static copies of its other tensors)."""
         if self.state is not PENDING:
             return
+        if changed(self.versions):
+            raise RuntimeError(
+                "An output of the model call (or a tensor computed from it) was changed in place after "
+                "the loss was computed from it and before the loss was read or backward() was called: "
+                "pygraph_dist cannot compute the loss as it was. Change it after backward(), or "
+                "wrap(..., loss_graphs=False).")
         op, leaves = self.terminal_call
         self.terminal_call = None
         p, copies = self.pending, self._waiting_copies()

@@ -177,6 +177,9 @@ class SplitGraphs(LaneGraphs):
         rng_snapshot = generator.clone_state()
         pool = runner.cache.pool_for_capture()
         torch.cuda.empty_cache()
+        # loss_lane.py: every rank learned the loss, or none captures it (a collective
+        # outside the capture, made by every rank: all capture this signature now).
+        lane = self._lane_trace(entry, agree=not no_sync_variant and step.grad_scaler is None)
         if self.dummy is None:
             self.dummy = torch.zeros((), device=device, requires_grad=True)
         with torch.no_grad():
@@ -188,7 +191,6 @@ class SplitGraphs(LaneGraphs):
         reserved0 = torch.cuda.memory_reserved(device)
         t0 = time.perf_counter()
         error: BaseException | None = None
-        lane = None
 
         try:
             with runner.capturing(fwd, pool), runner.casts():
@@ -214,7 +216,6 @@ class SplitGraphs(LaneGraphs):
             # gradients it allocates (see "Memory").
             # "lane" (loss_lane.py): the loop's own loss, learned in the warm-up,
             # replayed on the outputs, then the "fresh" backward.
-            lane = self._lane_trace(entry) if not no_sync_variant and step.grad_scaler is None else None
             keys = ((False, True) if no_sync_variant else (True,)) + (("lane",) if lane else ()) + ("fresh",)
             for key in keys:
                 g = torch.cuda.CUDAGraph()
@@ -264,9 +265,6 @@ class SplitGraphs(LaneGraphs):
             explain=agreement.explain_mismatch, retryable=retryable,
         )
         if not verdict.agreed:
-            if lane is not None and not self.lane_failed:  # the next capture goes without it, on every rank
-                self.lane_failed = True
-                self.lane_why = f"a tier-2 capture with it failed: {str(verdict.reason)[:200]}"
             runner._restore_after_failed_capture(generator, rng_snapshot)  # noqa: SLF001
             discard(fwd)
             for g in graphs.values():

@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
+from . import agreement
 from .graph_cache import GraphEntry
 from .loss_lane import COMMITTED, Recorder
 from .loss_match import LaneRun
@@ -55,14 +57,23 @@ class LaneGraphs:
         entry.lane_recorder = rec
         return map_outputs(out, lambda t: next(wrapped))
 
-    def _lane_trace(self, entry: GraphEntry):
+    def _lane_trace(self, entry: GraphEntry, *, agree: bool):
+        """The loss learned for ``entry`` in its last warm-up step, if every rank
+        learned one (``agree``: the capture may hold the lane at all)."""
         rec, entry.lane_recorder = entry.lane_recorder, None
-        if rec is None:
-            return None
-        rec.live = False
-        if rec.trace is None:
-            self.lane_why = rec.why or "backward() was not called on a tensor computed from the outputs"
-        return rec.trace
+        trace = None
+        if rec is not None:
+            rec.live = False
+            trace = rec.trace
+            if trace is None:
+                self.lane_why = rec.why or "backward() was not called on a tensor computed from the outputs"
+        group = self.runner.group
+        if agree and dist.is_initialized() and dist.get_world_size(group) > 1:
+            missing = agreement.agreed_max([int(trace is None)], group=group, device=self.runner.agree_device)[0]
+            if missing and trace is not None:
+                self.lane_why = "another rank did not learn the same kind of loss (its loss is computed differently)"
+            trace = None if missing else trace
+        return trace if agree else None
 
     def _capture_lane(self, entry: GraphEntry, graph, pool, tensors: list, roots: list, trace) -> None:
         """The "lane" backward variant: the learned loss on the static outputs,

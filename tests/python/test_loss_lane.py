@@ -79,11 +79,15 @@ class _Stand:
         return run, _Copy.apply(run, raw)
 
     def _commit(self, run):
+        """What the "lane" graph does (split_lane._capture_lane): the trace on the
+        outputs as leaves of their own, its gradient, then the model's backward."""
         if not self.accept:
             run.why = "refused"
             return False
-        loss = self.trace.compute([run.raw], run.static_exts)
-        loss.backward()
+        leaves = [run.raw.detach().requires_grad_(True)]
+        loss = self.trace.compute(leaves, run.static_exts)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
+        torch.autograd.backward([run.raw], list(grads))
         run.fill(loss.detach())
         self.commits += 1
         return True
@@ -318,3 +322,169 @@ def test_a_strided_target_is_not_learned():
     yt = y.t().contiguous().t()  # the same values, column-major
     F.cross_entropy(out.view(-1, 5).view(4, 3, 5).transpose(1, 2), yt).backward()
     assert rec.trace is None and "contiguous" in rec.why, rec.why
+
+
+def test_a_hook_on_an_output_leaves_the_lane_and_runs():
+    rec, _ = _learn(gpt_loss)
+    ref = _model()
+    x, y = _batch()
+    r_out = ref(x)
+    r_out.register_hook(lambda g: g * 0.5)
+    gpt_loss(r_out, y).backward()
+    stand = _Stand(rec.trace)
+    run, out = stand.call(x)
+    out.register_hook(lambda g: g * 0.5)
+    gpt_loss(out, y).backward()
+    run.end("step")
+    assert stand.commits == 0 and "register_hook() on an output" in run.why, run.why
+    assert _same(stand.grads(), [p.grad for p in ref.parameters()])
+    # and learning one is refused
+    m = _model()
+    rec2 = Recorder(torch.device("cpu"))
+    (o,) = rec2.wrap_outputs([m(x)])
+    o.register_hook(lambda g: g)
+    gpt_loss(o, y).backward()
+    assert rec2.trace is None and "register_hook()" in rec2.why, rec2.why
+
+
+@pytest.mark.parametrize("how", ["view_fill", "detach_clamp", "relu_inplace"])
+def test_an_output_changed_through_an_alias_leaves_the_lane(how):
+    """In place through a view or detach() shares the version counter: seen."""
+    rec, _ = _learn(gpt_loss)
+    ref = _model()
+    x, y = _batch()
+
+    def change(o):
+        if how == "view_fill":
+            with torch.no_grad():
+                o[..., 0].fill_(-5)
+        elif how == "detach_clamp":
+            o.detach().clamp_(max=0.1)
+        else:
+            F.relu(o.detach(), inplace=True)
+        return o
+
+    want = gpt_loss(change(ref(x)), y)
+    want.backward()
+    stand = _Stand(rec.trace)
+    run, out = stand.call(x)
+    loss = gpt_loss(change(out), y)
+    loss.backward()
+    run.end("step")
+    assert stand.commits == 0, run.why
+    assert torch.equal(loss.detach(), want.detach())
+    assert _same(stand.grads(), [p.grad for p in ref.parameters()])
+
+
+def test_autocast_around_the_loss_is_bitwise():
+    """An fp32 output cast twice under the user's autocast: eager casts it twice
+    (the output is not a leaf); the lane's capture, where the outputs are leaves
+    that require grad, must not share one cached cast (its gradient would be
+    summed in bf16)."""
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(64, 32), torch.randn(64, 32)
+    base = torch.randn(16, 32, requires_grad=True)
+
+    def two_linears(o):
+        return F.linear(o, w1).float().square().mean() + F.linear(o, w2).float().square().mean()
+
+    amp = torch.autocast("cpu", dtype=torch.bfloat16)
+    rec = Recorder(torch.device("cpu"))
+    with amp:
+        (out,) = rec.wrap_outputs([base * 1.0])
+        two_linears(out).backward()
+    assert rec.trace is not None, rec.why
+    with amp:
+        o = (base.detach() * 1.0).requires_grad_()
+        (want,) = torch.autograd.grad(two_linears(o * 1.0), o)
+        leaf = base.detach().requires_grad_()  # as _capture_lane reads the outputs, inside the model call
+        (got,) = torch.autograd.grad(rec.trace.compute([leaf], [w1, w2]), [leaf])
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
+def test_named_results_and_slices_in_the_loss():
+    """max()'s named result keeps its names; a Hugging Face-style shift
+    (out[:, :-1]) is learned."""
+    def shifted(o, y):
+        acc = (o.max(-1).indices == y).float().mean()  # a metric before the loss
+        assert acc.dim() == 0
+        return F.cross_entropy(o[:, :-1].reshape(-1, 5), y[:, 1:].reshape(-1))
+
+    ref_loss, ref_grads = _reference(shifted)
+    rec, _ = _learn(shifted)
+    assert rec.trace is not None, rec.why
+    stand = _Stand(rec.trace)
+    x, y = _batch()
+    run, out = stand.call(x)
+    loss = shifted(out, y)
+    loss.backward()
+    assert stand.commits == 1 and torch.equal(loss.detach(), ref_loss)
+    assert _same(stand.grads(), ref_grads)
+
+
+def test_a_pending_loss_copied_before_backward_has_its_value():
+    import copy
+
+    rec, _ = _learn(gpt_loss)
+    ref_loss, ref_grads = _reference(gpt_loss)
+    stand = _Stand(rec.trace)
+    x, y = _batch()
+    run, out = stand.call(x)
+    loss = gpt_loss(out, y)
+    dup = copy.deepcopy(loss.detach())  # a waiting copy: computed first
+    assert dup.item() == ref_loss.item() and run.state == OFF
+    loss.backward()
+    assert _same(stand.grads(), ref_grads)
+
+
+def test_the_report_line_counts_steps():
+    from pygraph_dist.split_lane import LaneGraphs
+
+    g = LaneGraphs()
+    g._init_lane()
+    assert g.describe_lane() == ""
+    g.lane_why = "cross_entropy() in the loss draws random numbers"
+    assert g.describe_lane() == "your loss eager between the graphs (cross_entropy() in the loss draws random numbers)"
+    g.lane, g.lane_steps = "view -> cross_entropy", 1
+    g.lane_misses = {"a": 1, "b": 5, "c": 2}
+    assert g.describe_lane() == ("your loss (view -> cross_entropy) inside the backward graph (1 step; 5 steps "
+                                 "eager: b; 2 steps eager: c)")
+
+
+def lane_agreement(learned_on="0,1"):
+    """Rank body: _lane_trace's agreement, with a recorder that learned (or not) per rank."""
+    import torch.distributed as dist
+
+    import pygraph_dist as pgd
+    from pygraph_dist.graph_cache import GraphEntry
+    from pygraph_dist.split_lane import LaneGraphs
+
+    pgd.init()
+    rank = dist.get_rank()
+    learned = {int(r) for r in str(learned_on).split(",") if r}
+    out = []
+    for agree in (True, False):
+        g = LaneGraphs()
+        g._init_lane()
+        g.runner = type("Runner", (), {"group": None, "agree_device": torch.device("cpu")})()
+        entry = GraphEntry(key=("k",), description="d", policy=None)
+        if rank in learned:
+            entry.lane_recorder, _ = _learn(gpt_loss)
+        else:
+            entry.lane_recorder, _ = _learn(lambda o, y: F.cross_entropy(F.dropout(o.view(-1, 5), 0.1), y.view(-1)))
+        trace = g._lane_trace(entry, agree=agree)
+        out.append({"agree": agree, "trace": trace is not None, "why": g.lane_why})
+    return out
+
+
+@pytest.mark.parametrize("learned_on", ["0,1", "0"])
+def test_every_rank_captures_the_lane_or_none(ranks, learned_on):
+    """One rank whose loss could not be learned: no rank captures the lane
+    (a capture with it on some ranks only would not be agreed)."""
+    for rank, r in enumerate(ranks("test_loss_lane:lane_agreement", world_size=2, timeout=120,
+                                   kwargs={"learned_on": learned_on})):
+        agreed, alone = r
+        assert agreed["trace"] == (learned_on == "0,1"), (rank, agreed)
+        if rank == 0 and learned_on == "0":
+            assert agreed["why"].startswith("another rank did not learn"), agreed
+        assert not alone["trace"]  # agree=False: the capture holds no lane (no_sync variant, fp16)
