@@ -96,6 +96,15 @@ class _Stand:
         return [p.grad for p in self.model.parameters()]
 
 
+def _lane_step(*, accept: bool = True):
+    """gpt_loss learned, and one model call in its lane: (stand, run, out, x, y)."""
+    rec, _ = _learn(gpt_loss)
+    stand = _Stand(rec.trace, accept=accept)
+    x, y = _batch()
+    run, out = stand.call(x)
+    return stand, run, out, x, y
+
+
 def _same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -130,10 +139,7 @@ def test_the_pending_loss_is_filled_by_backward_bitwise():
 
 
 def test_the_pending_loss_answers_its_shape_without_leaving_the_lane():
-    rec, _ = _learn(gpt_loss)
-    stand = _Stand(rec.trace)
-    x, y = _batch()
-    run, out = stand.call(x)
+    stand, run, out, x, y = _lane_step()
     loss = gpt_loss(out, y)
     assert loss.shape == () and loss.dim() == 0 and loss.numel() == 1 and loss.dtype == torch.float32
     assert loss.requires_grad and loss.is_floating_point()
@@ -142,11 +148,8 @@ def test_the_pending_loss_answers_its_shape_without_leaving_the_lane():
 
 
 def test_reading_the_loss_before_backward_computes_it_eagerly():
-    rec, _ = _learn(gpt_loss)
     ref_loss, ref_grads = _reference(gpt_loss)
-    stand = _Stand(rec.trace)
-    x, y = _batch()
-    run, out = stand.call(x)
+    stand, run, out, x, y = _lane_step()
     loss = gpt_loss(out, y)
     y.add_(1)  # the loss was computed from y as it was at the call: the lane kept a copy
     assert loss.item() == ref_loss.item()
@@ -196,11 +199,8 @@ def test_another_target_of_the_same_shape_is_replayed_with_its_values():
 
 
 def test_backward_refused_by_the_engine_falls_back_to_autograd():
-    rec, _ = _learn(gpt_loss)
     ref_loss, ref_grads = _reference(gpt_loss)
-    stand = _Stand(rec.trace, accept=False)
-    x, y = _batch()
-    run, out = stand.call(x)
+    stand, run, out, x, y = _lane_step(accept=False)
     loss = gpt_loss(out, y)
     loss.backward()
     assert run.state == OFF and run.why == "refused"
@@ -208,11 +208,8 @@ def test_backward_refused_by_the_engine_falls_back_to_autograd():
 
 
 def test_a_step_without_backward_leaves_the_loss_readable():
-    rec, _ = _learn(gpt_loss)
     ref_loss, _ = _reference(gpt_loss)
-    stand = _Stand(rec.trace)
-    x, y = _batch()
-    run, out = stand.call(x)
+    stand, run, out, x, y = _lane_step()
     loss = gpt_loss(out, y)
     run.end("optimizer.step() came before backward() of the loss")
     assert loss.item() == ref_loss.item() and stand.commits == 0
@@ -278,11 +275,8 @@ def test_detached_copies_of_the_pending_loss_wait_for_its_value(read):
     """nanoGPT's micro_losses.append(loss.detach()) and Lightning's
     loss.detach().clone() before backward(): copies that get the value the
     graph computes (or, when the step leaves the lane, the eager one)."""
-    rec, _ = _learn(gpt_loss)
     ref_loss, ref_grads = _reference(gpt_loss)
-    stand = _Stand(rec.trace)
-    x, y = _batch()
-    run, out = stand.call(x)
+    stand, run, out, x, y = _lane_step()
     loss = gpt_loss(out, y)
     logged = [loss.detach(), loss.detach().clone()]
     assert run.state == PENDING and not logged[0].requires_grad
@@ -300,10 +294,7 @@ def test_outputs_save_and_copy_as_plain_tensors(tmp_path):
     plain tensor, not the lane's state (which is this process's)."""
     import copy
 
-    rec, _ = _learn(gpt_loss)
-    stand = _Stand(rec.trace)
-    x, y = _batch()
-    run, out = stand.call(x)
+    stand, run, out, x, y = _lane_step()
     torch.save({"logits": out}, tmp_path / "o.pt")
     back = torch.load(tmp_path / "o.pt")["logits"]
     assert type(back) is torch.Tensor and torch.equal(back, out.detach())
@@ -425,11 +416,8 @@ def test_named_results_and_slices_in_the_loss():
 def test_a_pending_loss_copied_before_backward_has_its_value():
     import copy
 
-    rec, _ = _learn(gpt_loss)
     ref_loss, ref_grads = _reference(gpt_loss)
-    stand = _Stand(rec.trace)
-    x, y = _batch()
-    run, out = stand.call(x)
+    stand, run, out, x, y = _lane_step()
     loss = gpt_loss(out, y)
     dup = copy.deepcopy(loss.detach())  # a waiting copy: computed first
     assert dup.item() == ref_loss.item() and run.state == OFF
