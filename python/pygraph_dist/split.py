@@ -173,6 +173,7 @@ class SplitGraphs(LaneGraphs):
         entry.static = static
         entry.static_leaves = pytree.tree_leaves(static)
         torch.cuda.synchronize(device)
+        grads_were_none = reducer.all_grads_none()  # zero_grad(set_to_none=True) before this call
         generator = torch.cuda.default_generators[device.index or 0]
         rng_snapshot = generator.clone_state()
         pool = runner.cache.pool_for_capture()
@@ -291,6 +292,15 @@ class SplitGraphs(LaneGraphs):
             return False
         entry.setup_s = time.perf_counter() - (entry.first_seen_s or t0)
         runner.captured_event(entry, iteration)
+        if grads_were_none:
+            # The capture left .grad as the bucket views; as the loop left them
+            # (None), this step's backward is a "fresh" (or "lane") one like
+            # every later step's, not an accumulation into zeros, and its loss
+            # can run in the lane (a loss computed eagerly here would also keep
+            # its memory cached by the allocator next to the graphs' pool).
+            with torch.no_grad():
+                for p in reducer.params:
+                    p.grad = None
         if runner.rank == 0:
             logger.info("captured tier 2 [%s]: %s, capture %.0f ms", entry.description,
                         entry.collectives, entry.capture_s * 1e3)

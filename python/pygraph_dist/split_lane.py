@@ -115,8 +115,8 @@ class LaneGraphs:
         if entry.last_call is not call or "lane" not in entry.bwd_graphs:
             run.why = "the model was called again before backward()"
         elif reducer._finalize_queued or not reducer.all_grads_none():  # noqa: SLF001
-            run.why = ("gradients were present at backward() (the step that captured the graphs, or no "
-                       "zero_grad(set_to_none=True) since the last step)")
+            run.why = ("gradients were present at backward() (no zero_grad(set_to_none=True) before the "
+                       "model call)")
         else:
             self.runner.watchdog.replay([entry.bwd_graphs["lane"]], call.label)
             run.fill(entry.lane_loss)
