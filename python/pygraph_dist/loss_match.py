@@ -72,8 +72,9 @@ class LaneRun:
             self.off("backward() was called on a tensor other than the learned loss")
             return _plain(func, args, kwargs)
         op = trace.ops[self.pos]
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        if func is not op.func or not self._matches(op, leaves, spec):
+        # Another function (loss.numel(), out.shape for logging): no flatten.
+        leaves, spec = pytree.tree_flatten((args, kwargs)) if func is op.func else (None, None)
+        if leaves is None or not self._matches(op, leaves, spec):
             name = _name(func)
             if _mutating(name, kwargs):
                 self.off(f"{name}() changed an output of the model call in place")

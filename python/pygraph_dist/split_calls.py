@@ -79,7 +79,11 @@ class Tier2Calls:
         out = self.split.forward(entry, leaves, sync=sync,
                                  label=f"[{entry.description}] at iteration {self.iteration}")
         self._split_step = entry
-        self.loop.handed_out(find_loss(out, tuples=self.step.tuple_loss), watch=False)
+        # Read as plain tensors: with the loss lane, the outputs' numel() and
+        # dtype would each be a call through LaneTensor.__torch_function__.
+        with torch._C.DisableTorchFunctionSubclass():
+            loss = find_loss(out, tuples=self.step.tuple_loss)
+        self.loop.handed_out(loss, watch=False)
         return out
 
     def _split_step_now(self, entry: GraphEntry, closure) -> bool:
