@@ -68,7 +68,6 @@ class GraphEntry:
     loss_trace: Any = None
     lane_exts: list = field(default_factory=list)
     lane_loss: Any = None
-    lane_inter: dict = field(default_factory=dict)  # the loss's deferred results (loss_lane.py), by slot
     lane_meta: tuple = ()
     eager_buckets: tuple = ()  # buckets reduced eagerly between the two graphs
     sparse_grads: dict = field(default_factory=dict)  # param index -> captured local sparse grad
@@ -242,7 +241,7 @@ class GraphCache:
         entry.last_call = None
         entry.sparse_grads = {}
         entry.static_result = None
-        entry.lane_loss, entry.lane_exts, entry.lane_recorder, entry.lane_inter = None, [], None, {}
+        entry.lane_loss, entry.lane_exts, entry.lane_recorder = None, [], None
 
     def invalidate(self, entry: GraphEntry, iteration: int, reason: str) -> None:
         self.release(entry)

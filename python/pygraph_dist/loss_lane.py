@@ -26,14 +26,12 @@ state, for the loss the loop computes the same way every step:
   ``zero_grad(set_to_none=True)``): gradient of the loss with respect to the
   outputs, then ``autograd.backward(outputs, grads)``, the all-reduces inside;
 * **replay** (:class:`LaneRun`, one per model call): the calls on the outputs
-  are matched against the trace, in order. The call that produces the loss is
-  not run: its tensors are copied into the static copies and the caller gets
-  a *pending* loss; ``loss.backward()`` on it replays the ``"lane"`` graph and
-  fills the loss in. An earlier call whose result is a scalar read only by
-  the loss's later calls (``cross_entropy`` before ``/ k`` or
-  ``scaler.scale()``) waits the same way and is filled from the graph's value;
-  other intermediate results (views, a ``float()`` of the logits) are computed
-  eagerly as well as in the graph. A loop that reads the
+  are matched against the trace, in order. Intermediate results are computed
+  eagerly as well (a view costs nothing; ``cross_entropy`` before ``/ k`` or
+  ``scaler.scale()`` runs twice, once here and once in the graph); the call
+  that produces the loss is not: its tensors are copied into the static
+  copies and the caller gets a *pending* loss. ``loss.backward()`` on it
+  replays the ``"lane"`` graph and fills the loss in. A loop that reads the
   pending loss before ``backward()`` (or anything else the graph cannot
   replay: gradients present, a later model call in between, a hook) gets the
   loss computed eagerly at that moment from the values it was computed from,
@@ -143,7 +141,7 @@ class LaneTensor(torch.Tensor):
         """This tensor's value as a plain tensor (a pending loss computed first)."""
         owner = self._pgd_owner
         if owner is not None and getattr(self, "_pgd_waiting", False):
-            owner.leave("the loss was saved or copied before backward()")
+            owner.realize("the loss was saved or copied before backward()")
         t = getattr(self, "_pgd_real", self)
         with torch._C.DisableTorchFunctionSubclass():
             return torch.Tensor._make_subclass(torch.Tensor, t, t.requires_grad)
@@ -195,14 +193,9 @@ class LossTrace:
     ``terminal``: the loss's slot."""
 
     def __init__(self, ops: list[TraceOp], exts: list[tuple], terminal: int, n_outs: int,
-                 device_type: str, deferred: tuple = (), meta: dict | None = None) -> None:
+                 device_type: str) -> None:
         self.ops, self.exts, self.terminal, self.n_outs = ops, exts, terminal, n_outs
         self.device_type = device_type
-        # Per op: its result waits like the loss (a scalar only the loss's later
-        # calls read: cross_entropy before ``/ k`` or ``scaler.scale()``), filled
-        # from the graph's value; ``meta``: such a result's (shape, dtype, requires_grad).
-        self.deferred = tuple(deferred) or (False,) * len(ops)
-        self.meta = meta or {}
 
     def describe(self) -> str:
         return " -> ".join(_name(op.func) for op in self.ops)
@@ -214,19 +207,13 @@ class LossTrace:
     def compute(self, outs: list[torch.Tensor], exts: list[torch.Tensor]) -> torch.Tensor:
         """Run the trace on ``outs`` (the model call's output tensors, in
         :func:`~pygraph_dist.outputs.map_outputs` order) and ``exts``: the loss."""
-        return self.compute_all(outs, exts)[0]
-
-    def compute_all(self, outs: list[torch.Tensor], exts: list[torch.Tensor]) -> tuple:
-        """:meth:`compute`, and the deferred results by slot (what a step's
-        waiting intermediates are filled from)."""
         slots: dict[int, torch.Tensor] = dict(enumerate(outs))
         for op in self.ops:
             result = _run(op, self._leaves(op, slots, exts), self.device_type)
             for slot, t in zip(op.outs, _tensors_of(result)):
                 if slot >= 0:
                     slots[slot] = t
-        kept = {slot: slots[slot] for op, d in zip(self.ops, self.deferred) if d for slot in op.outs}
-        return slots[self.terminal], kept
+        return slots[self.terminal]
 
     @staticmethod
     def _leaves(op: TraceOp, slots: dict, exts: list) -> list:
@@ -298,7 +285,6 @@ class Recorder:
         self.versions: list = []  # (weak ref, _version) of the outputs and every result
         self.trace: LossTrace | None = None
         self.why = ""
-        self.scalars: dict[int, tuple] = {}  # slot -> (shape, dtype, requires_grad) of a fresh scalar result
 
     def wrap_outputs(self, tensors: list[torch.Tensor]) -> list:
         self.next_slot = len(tensors)
@@ -338,8 +324,6 @@ class Recorder:
             return result
         outs = list(range(self.next_slot, self.next_slot + len(tensors)))
         self.next_slot += len(tensors)
-        if isinstance(result, torch.Tensor) and result.dim() == 0 and result._base is None:
-            self.scalars[outs[0]] = (tuple(result.shape), result.dtype, result.requires_grad)
         self.versions.extend((weakref.ref(t), version(t)) for t in tensors)
         self.ops.append(TraceOp(func, spec, tuple(code), tuple(outs),
                                 _autocast_state(self.device.type) + (torch.is_grad_enabled(),)))
@@ -386,21 +370,7 @@ class Recorder:
         ops = [TraceOp(op.func, op.spec, tuple(("e", renumber[v]) if k == "e" else (k, v) for k, v in op.code),
                        op.outs, op.autocast[:2]) for op in ops]
         exts = [(tuple(self.exts[j].shape), self.exts[j].dtype, self.exts[j].device) for j in used]
-        deferred = self._deferred(ops)
-        meta = {slot: self.scalars[slot] for op, d in zip(ops, deferred) if d for slot in op.outs}
-        self.trace = LossTrace(ops, exts, target._pgd_slot, self.n_outs, self.device.type, deferred, meta)
-
-    def _deferred(self, ops: list[TraceOp]) -> list[bool]:
-        """Which of the loss's calls before its last may wait for the graph: one
-        fresh scalar result (not a view), read only by calls that wait too."""
-        deferred = [False] * len(ops)
-        for i in range(len(ops) - 2, -1, -1):
-            (slot,) = ops[i].outs if len(ops[i].outs) == 1 else (None,)
-            if slot not in self.scalars:
-                continue
-            readers = [j for j in range(i + 1, len(ops)) if ("s", slot) in ops[j].code]
-            deferred[i] = all(deferred[j] or j == len(ops) - 1 for j in readers)
-        return deferred
+        self.trace = LossTrace(ops, exts, target._pgd_slot, self.n_outs, self.device.type)
 
     def _check(self, ops: list[TraceOp], read: set) -> str:
         if not ops:

@@ -89,7 +89,7 @@ class LaneGraphs:
             # inside the model, which the backward below adds).
             leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
             with runner.capturing(graph, pool):
-                loss, kept = trace.compute_all(leaves, exts)
+                loss = trace.compute(leaves, exts)
                 outs = torch.autograd.grad(loss, [t for t in leaves if t.requires_grad],
                                            allow_unused=True, materialize_grads=True)
                 with runner.casts():
@@ -100,7 +100,6 @@ class LaneGraphs:
             raise LaneCaptureError(f"the loss computed outside the model could not be captured "
                                    f"({self.lane_why}); tier 2 captures again without it") from exc
         entry.lane_loss = loss.detach()
-        entry.lane_inter = {slot: t.detach() for slot, t in kept.items()}  # the deferred results
         entry.lane_meta = (tuple(loss.shape), loss.dtype, loss.device)
         entry.lane_exts = exts
         entry.loss_trace = trace
@@ -120,7 +119,7 @@ class LaneGraphs:
                        "model call)")
         else:
             self.runner.watchdog.replay([entry.bwd_graphs["lane"]], call.label)
-            run.fill(entry.lane_loss, entry.lane_inter)
+            run.fill(entry.lane_loss)
             reducer.expose_grads()
             reducer.rounds += 1
             self.lane_steps += 1

@@ -85,10 +85,10 @@ class _Stand:
             run.why = "refused"
             return False
         leaves = [run.raw.detach().requires_grad_(True)]
-        loss, kept = self.trace.compute_all(leaves, run.static_exts)
+        loss = self.trace.compute(leaves, run.static_exts)
         grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
         torch.autograd.backward([run.raw], list(grads))
-        run.fill(loss.detach(), {slot: t.detach() for slot, t in kept.items()})
+        run.fill(loss.detach())
         self.commits += 1
         return True
 
@@ -242,24 +242,22 @@ def test_backward_with_arguments_is_not_learned():
     assert rec.trace is None and "with arguments" in rec.why
 
 
-@pytest.mark.parametrize("loss_fn", ["gpt_loss", "scaled"])
 @pytest.mark.parametrize("read_first", [False, True])
-def test_a_finished_step_leaves_nothing_to_the_garbage_collector(read_first, loss_fn):
+def test_a_finished_step_leaves_nothing_to_the_garbage_collector(read_first):
     """The outputs point at their run; nothing of a finished step may point back
     (a cycle keeps the outputs, and the eager loss's autograd graph, until the
     cyclic collector runs: gigabytes of logits on a language model)."""
     import gc
     import weakref
 
-    fn = globals()[loss_fn]  # scaled: cross_entropy's result waits too, then is read or filled
-    rec, _ = _learn(fn)
+    rec, _ = _learn(gpt_loss)
     stand = _Stand(rec.trace)
     x, y = _batch()
     gc.collect()
     gc.disable()
     try:
         run, out = stand.call(x)
-        loss = fn(out, y)
+        loss = gpt_loss(out, y)
         if read_first:
             loss.item()
         loss.backward()
@@ -425,104 +423,6 @@ def test_a_pending_loss_copied_before_backward_has_its_value():
     assert dup.item() == ref_loss.item() and run.state == OFF
     loss.backward()
     assert _same(stand.grads(), ref_grads)
-
-
-# The loss's earlier scalar results wait for the graph too: Accelerate's
-# backward() divides by the accumulation steps (loss / 1), GradScaler's
-# scale() multiplies, and the loop logs the unscaled loss afterwards.
-def scaled(out, y):
-    return gpt_loss(out, y) / 2
-
-
-def _scaled_step(*, accept: bool = True):
-    rec, _ = _learn(scaled)
-    stand = _Stand(rec.trace, accept=accept)
-    x, y = _batch()
-    run, out = stand.call(x)
-    return stand, run, out, y
-
-
-def _scaled_reference():
-    m = _model()
-    x, y = _batch()
-    ce = gpt_loss(m(x), y)
-    loss = ce / 2
-    loss.backward()
-    return ce.detach(), loss.detach(), [p.grad for p in m.parameters()]
-
-
-def test_a_scalar_before_the_loss_waits_and_is_filled_bitwise():
-    rec, _ = _learn(scaled)
-    assert rec.trace.describe() == "view -> cross_entropy -> div"
-    assert rec.trace.deferred == (False, True, False)  # a view is computed; the scalar waits
-    ref_ce, ref_loss, ref_grads = _scaled_reference()
-    stand, run, out, y = _scaled_step()
-    ce = gpt_loss(out, y)
-    assert getattr(ce, "_pgd_waiting", False) and not run.reals  # not computed
-    kept = ce.detach()  # waits for ce's value, not the loss's
-    loss = ce / 2
-    loss.backward()
-    assert run.state == COMMITTED and stand.commits == 1
-    assert not run.reals  # nothing computed eagerly: the graph's values filled them
-    assert torch.equal(ce.detach(), ref_ce) and torch.equal(kept, ref_ce) and torch.equal(loss.detach(), ref_loss)
-    assert _same(stand.grads(), ref_grads)
-    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
-        ce.backward()
-
-
-@pytest.mark.parametrize("when", ["before the loss", "after the loss", "refused", "no backward"])
-def test_a_waiting_scalar_read_early_is_computed_as_eager(when):
-    ref_ce, ref_loss, ref_grads = _scaled_reference()
-    stand, run, out, y = _scaled_step(accept=when != "refused")
-    ce = gpt_loss(out, y)
-    if when == "before the loss":
-        assert ce.item() == ref_ce.item()
-        assert run.state == OFF and run.why == "the loss was read before backward() (loss.item())", run.why
-    loss = ce / 2
-    if when == "after the loss":
-        assert ce.item() == ref_ce.item() and run.state == OFF
-    if when == "no backward":
-        run.end("optimizer.step() came before backward() of the loss")
-        assert torch.equal(ce.detach(), ref_ce) and torch.equal(loss.detach(), ref_loss)
-        assert all(p.grad is None for p in stand.model.parameters())
-        return
-    loss.backward()  # autograd, through the eagerly computed ce: tier 2 without the lane
-    assert stand.commits == 0
-    assert torch.equal(ce.detach(), ref_ce) and torch.equal(loss.detach(), ref_loss)
-    assert _same(stand.grads(), ref_grads)
-
-
-def test_backward_of_the_waiting_scalar_itself_is_eager():
-    """The learned loss is ce / 2; this step calls backward() on ce."""
-    m = _model()
-    x, y = _batch()
-    want = gpt_loss(m(x), y)
-    want.backward()
-    stand, run, out, y = _scaled_step()
-    ce = gpt_loss(out, y)
-    ce.backward()
-    assert stand.commits == 0 and run.state == OFF
-    assert torch.equal(ce.detach(), want.detach()) and _same(stand.grads(), [p.grad for p in m.parameters()])
-
-
-def test_two_waiting_terms_and_an_eager_one():
-    """a + 0.5 * b: a, b and 0.5 * b wait; out.pow(2) (not a scalar) is computed."""
-    def two(o, y):
-        return gpt_loss(o, y) + 0.5 * o.pow(2).mean()
-
-    rec, _ = _learn(two)
-    assert rec.trace.describe() == "view -> cross_entropy -> pow -> mean -> mul -> add"
-    assert rec.trace.deferred == (False, True, False, True, True, False)
-    m = _model()
-    x, y = _batch()
-    want = two(m(x), y)
-    want.backward()
-    stand = _Stand(rec.trace)
-    run, out = stand.call(x)
-    loss = two(out, y)
-    loss.backward()
-    assert stand.commits == 1 and torch.equal(loss.detach(), want.detach())
-    assert _same(stand.grads(), [p.grad for p in m.parameters()])
 
 
 def test_the_report_line_counts_steps():
