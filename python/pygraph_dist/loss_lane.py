@@ -116,16 +116,25 @@ def _autocast_state(device_type: str) -> tuple:
 
 
 def _owner(args, kwargs):
+    """The run of the call's first LaneTensor, if that run is live; else any
+    live run's among all of the call's tensors (``torch.stack(tensors=[...])``,
+    a list of earlier steps' copies with this step's loss in it), or None."""
     for a in args:
         if isinstance(a, LaneTensor):
-            return a._pgd_owner  # noqa: SLF001
+            owner = a._pgd_owner  # noqa: SLF001
+            return owner if owner is not None and owner.live else _live_owner(args, kwargs)
         if isinstance(a, (list, tuple)):
             for b in a:
                 if isinstance(b, LaneTensor):
-                    return b._pgd_owner  # noqa: SLF001
-    for a in kwargs.values():
-        if isinstance(a, LaneTensor):
-            return a._pgd_owner  # noqa: SLF001
+                    owner = b._pgd_owner  # noqa: SLF001
+                    return owner if owner is not None and owner.live else _live_owner(args, kwargs)
+    return _live_owner(args, kwargs)
+
+
+def _live_owner(args, kwargs):
+    for x in pytree.tree_leaves((args, kwargs)):
+        if isinstance(x, LaneTensor) and x._pgd_owner is not None and x._pgd_owner.live:  # noqa: SLF001
+            return x._pgd_owner  # noqa: SLF001
     return None
 
 
@@ -151,6 +160,13 @@ class LaneTensor(torch.Tensor):
 
     def __deepcopy__(self, memo):
         return copy.deepcopy(self._settled(), memo)
+
+    def __format__(self, spec: str) -> str:
+        # f"{loss:.4f}": Tensor.__format__ formats the value of a 0-dim plain
+        # Tensor only (type(self) is Tensor), and raises for a subclass.
+        if spec and self.dim() == 0:
+            return self.item().__format__(spec)
+        return super().__format__(spec)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -251,7 +267,10 @@ def _run(op: TraceOp, leaves: list, device_type: str):
     # Explicitly on or off: the engine's own autocast (amp=...) must not reach the loss.
     # No cast cache: inside the capture the outputs are leaves that require grad,
     # whose casts autocast would cache and share between calls (eager: not leaves).
-    with torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False), torch.enable_grad():
+    # Not under the caller's inference_mode either (the loss read inside one
+    # before backward()): the loss computed here is the one backward() runs through.
+    with torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False), torch.enable_grad(), \
+            torch.inference_mode(False):
         return _plain(op.func, args, kwargs)
 
 

@@ -166,8 +166,7 @@ class LaneRun:
         return isinstance(x, LaneTensor) and x._pgd_owner is self and getattr(x, "_pgd_waiting", False)
 
     def _involves_pending(self, args, kwargs) -> bool:
-        return any(self._waiting(a) for a in args) or any(self._waiting(a) for a in kwargs.values()) or any(
-            isinstance(a, (list, tuple)) and any(self._waiting(b) for b in a) for a in args)
+        return any(self._waiting(x) for x in pytree.tree_leaves((args, kwargs)))
 
     def _derive(self, *, grad: bool) -> LaneTensor:
         shape, dtype, device = self.loss_meta

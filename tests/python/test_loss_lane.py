@@ -425,6 +425,35 @@ def test_a_pending_loss_copied_before_backward_has_its_value():
     assert _same(stand.grads(), ref_grads)
 
 
+def test_the_pending_loss_read_where_scripts_read_it():
+    """Reads that reach the pending loss other than as a call's first tensor:
+    in a list passed by keyword, after an earlier step's copy in a list, under
+    inference_mode, in an f-string: each computes it (or, after backward(),
+    shows the graph's value) as eager would."""
+    rec, _ = _learn(gpt_loss)
+    ref_loss, ref_grads = _reference(gpt_loss)
+    stand = _Stand(rec.trace)
+    x, y = _batch()
+    run, out = stand.call(x)
+    loss = gpt_loss(out, y)
+    assert torch.stack(tensors=[loss]).tolist() == [ref_loss.item()] and run.state == OFF
+    loss.backward()
+    assert f"{loss:.4f}" == f"{ref_loss.item():.4f}"
+    run.end("step")
+    kept = [loss.detach()]  # an earlier step's copy, first in the list
+    run, out = stand.call(x)
+    loss = gpt_loss(out, y)
+    assert torch.stack([kept[0], loss]).tolist() == [ref_loss.item()] * 2 and run.state == OFF
+    run.end("step")
+    stand = _Stand(rec.trace)
+    run, out = stand.call(x)
+    loss = gpt_loss(out, y)
+    with torch.inference_mode():
+        assert f"{loss:.6f}" == f"{ref_loss.item():.6f}" and run.state == OFF
+    loss.backward()  # the loss computed for the read is one backward() runs through
+    assert _same(stand.grads(), ref_grads)
+
+
 def test_the_report_line_counts_steps():
     from pygraph_dist.split_lane import LaneGraphs
 
