@@ -116,26 +116,21 @@ def _autocast_state(device_type: str) -> tuple:
 
 
 def _owner(args, kwargs):
-    """The run of the call's first LaneTensor, if that run is live; else any
-    live run's among all of the call's tensors (``torch.stack(tensors=[...])``,
-    a list of earlier steps' copies with this step's loss in it), or None."""
-    for a in args:
-        if isinstance(a, LaneTensor):
-            owner = a._pgd_owner  # noqa: SLF001
-            return owner if owner is not None and owner.live else _live_owner(args, kwargs)
-        if isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, LaneTensor):
-                    owner = b._pgd_owner  # noqa: SLF001
-                    return owner if owner is not None and owner.live else _live_owner(args, kwargs)
-    return _live_owner(args, kwargs)
-
-
-def _live_owner(args, kwargs):
-    for x in pytree.tree_leaves((args, kwargs)):
-        if isinstance(x, LaneTensor) and x._pgd_owner is not None and x._pgd_owner.live:  # noqa: SLF001
-            return x._pgd_owner  # noqa: SLF001
-    return None
+    """The live run that must see a call: the run of a waiting tensor in it (a
+    pending loss, even after another step's tensors: ``torch.stack([earlier,
+    loss])``), else the run of its first LaneTensor whose run is live, else
+    None. Tensors are looked for as torch calls take them: arguments and
+    keyword arguments, and lists or tuples of tensors among them."""
+    first = None
+    for a in (*args, *kwargs.values()):
+        for b in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(b, LaneTensor):
+                owner = b._pgd_owner  # noqa: SLF001
+                if owner is not None and owner.live:
+                    if b._pgd_waiting:  # noqa: SLF001
+                        return owner
+                    first = first or owner
+    return first
 
 
 class LaneTensor(torch.Tensor):
@@ -145,6 +140,7 @@ class LaneTensor(torch.Tensor):
 
     _pgd_owner = None
     _pgd_slot = -1
+    _pgd_waiting = False  # a pending loss (or a copy of it) without its value yet
 
     def _settled(self) -> torch.Tensor:
         """This tensor's value as a plain tensor (a pending loss computed first)."""
@@ -162,9 +158,9 @@ class LaneTensor(torch.Tensor):
         return copy.deepcopy(self._settled(), memo)
 
     def __format__(self, spec: str) -> str:
-        # f"{loss:.4f}": Tensor.__format__ formats the value of a 0-dim plain
-        # Tensor only (type(self) is Tensor), and raises for a subclass.
-        if spec and self.dim() == 0:
+        # f"{loss:.4f}", f"{loss}": Tensor.__format__ formats the value of a 0-dim
+        # plain Tensor only (type(self) is Tensor); a subclass's raises or shows its repr.
+        if self.dim() == 0:  # as Tensor.__format__ does for a plain 0-dim tensor, spec or not
             return self.item().__format__(spec)
         return super().__format__(spec)
 

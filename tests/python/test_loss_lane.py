@@ -436,14 +436,25 @@ def test_the_pending_loss_read_where_scripts_read_it():
     x, y = _batch()
     run, out = stand.call(x)
     loss = gpt_loss(out, y)
+    loss.backward()  # in the lane: filled by the graph
+    assert run.state == COMMITTED and f"{loss}" == f"{ref_loss}" and f"{loss:.3e}" == f"{ref_loss:.3e}"
+    run.end("step")
+    run, out = stand.call(x)
+    loss = gpt_loss(out, y)
     assert torch.stack(tensors=[loss]).tolist() == [ref_loss.item()] and run.state == OFF
     loss.backward()
-    assert f"{loss:.4f}" == f"{ref_loss.item():.4f}"
+    assert f"{loss:.4f}" == f"{ref_loss.item():.4f}" and f"{loss}" == f"{ref_loss}"
     run.end("step")
     kept = [loss.detach()]  # an earlier step's copy, first in the list
     run, out = stand.call(x)
     loss = gpt_loss(out, y)
     assert torch.stack([kept[0], loss]).tolist() == [ref_loss.item()] * 2 and run.state == OFF
+    run.end("step")  # read before backward(): this step's loss stays a proxy for its eager value
+    kept.append(loss)
+    run, out = stand.call(x)
+    loss = gpt_loss(out, y)
+    assert (kept[1] + loss).item() == 2 * ref_loss.item() and run.state == OFF  # the proxy first, then the pending loss
+    assert torch.stack(kept + [loss]).tolist() == [ref_loss.item()] * 3
     run.end("step")
     stand = _Stand(rec.trace)
     run, out = stand.call(x)
