@@ -288,19 +288,20 @@ class SplitGraphs(LaneGraphs):
         entry.diff_mask = diff
         entry.static_grads = static_grads
         entry.selection = "kept (tier 2 is not timed against eager)"
+        if grads_were_none:
+            # The capture left .grad as the bucket views; None again, as the loop
+            # left it: this step's backward starts from no gradients like every
+            # later step's (the "fresh" or "lane" graph, or autograd when the
+            # memory cap refuses the graphs), not from zeroed views, and its
+            # loss can run in the lane (computed eagerly, its memory would stay
+            # cached by the allocator next to the graphs' pool).
+            with torch.no_grad():
+                for p in reducer.params:
+                    p.grad = None
         if not runner.accept_capture(entry, fingerprint, reserved0, state_version, iteration):
             return False
         entry.setup_s = time.perf_counter() - (entry.first_seen_s or t0)
         runner.captured_event(entry, iteration)
-        if grads_were_none:
-            # The capture left .grad as the bucket views; as the loop left them
-            # (None), this step's backward is a "fresh" (or "lane") one like
-            # every later step's, not an accumulation into zeros, and its loss
-            # can run in the lane (a loss computed eagerly here would also keep
-            # its memory cached by the allocator next to the graphs' pool).
-            with torch.no_grad():
-                for p in reducer.params:
-                    p.grad = None
         if runner.rank == 0:
             logger.info("captured tier 2 [%s]: %s, capture %.0f ms", entry.description,
                         entry.collectives, entry.capture_s * 1e3)
