@@ -145,7 +145,7 @@ class LaneTensor(torch.Tensor):
     def _settled(self) -> torch.Tensor:
         """This tensor's value as a plain tensor (a pending loss computed first)."""
         owner = self._pgd_owner
-        if owner is not None and getattr(self, "_pgd_waiting", False):
+        if owner is not None and self._pgd_waiting:
             owner.realize("the loss was saved or copied before backward()")
         t = getattr(self, "_pgd_real", self)
         with torch._C.DisableTorchFunctionSubclass():

@@ -163,7 +163,7 @@ class LaneRun:
 
     def _waiting(self, x) -> bool:
         """``x`` is the pending loss, or a copy of it, still without its value."""
-        return isinstance(x, LaneTensor) and x._pgd_owner is self and getattr(x, "_pgd_waiting", False)
+        return isinstance(x, LaneTensor) and x._pgd_owner is self and x._pgd_waiting
 
     def _involves_pending(self, args, kwargs) -> bool:
         return any(self._waiting(x) for x in pytree.tree_leaves((args, kwargs)))

@@ -295,9 +295,7 @@ class SplitGraphs(LaneGraphs):
             # memory cap refuses the graphs), not from zeroed views, and its
             # loss can run in the lane (computed eagerly, its memory would stay
             # cached by the allocator next to the graphs' pool).
-            with torch.no_grad():
-                for p in reducer.params:
-                    p.grad = None
+            step.clear_grads()
         if not runner.accept_capture(entry, fingerprint, reserved0, state_version, iteration):
             return False
         entry.setup_s = time.perf_counter() - (entry.first_seen_s or t0)
