@@ -122,7 +122,9 @@ void bind_core(py::module_& m) {
 
   m.def("plan_buckets", &core::plan_buckets, py::arg("params"),
         py::arg("bucket_cap_bytes"), py::arg("first_bucket_cap_bytes"),
-        "Assign parameters to gradient buckets (reverse order, per dtype/device).");
+        py::arg("align_elements") = core::kBucketAlignElements,
+        "Assign parameters to gradient buckets (reverse order, per dtype/device), each "
+        "offset a multiple of align_elements.");
 
   py::class_<core::CaptureFingerprint>(m, "CaptureFingerprint")
       .def(py::init<>())

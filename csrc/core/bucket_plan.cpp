@@ -9,12 +9,17 @@ namespace pgd::core {
 BucketPlan plan_buckets(
     const std::vector<ParamSpec>& params,
     int64_t bucket_cap_bytes,
-    int64_t first_bucket_cap_bytes) {
+    int64_t first_bucket_cap_bytes,
+    int64_t align_elements) {
   if (bucket_cap_bytes <= 0 || first_bucket_cap_bytes <= 0) {
     throw std::invalid_argument(
         "bucket caps must be positive (got bucket_cap_bytes=" +
         std::to_string(bucket_cap_bytes) + ", first_bucket_cap_bytes=" +
         std::to_string(first_bucket_cap_bytes) + ")");
+  }
+  if (align_elements <= 0) {
+    throw std::invalid_argument("align_elements must be positive (got " +
+                                std::to_string(align_elements) + ")");
   }
   BucketPlan plan;
   plan.bucket_of_param.assign(params.size(), -1);
@@ -81,12 +86,13 @@ BucketPlan plan_buckets(
     }
     const int64_t bucket_index = it->second;
     Bucket& b = plan.buckets[static_cast<size_t>(bucket_index)];
+    const int64_t offset = (b.numel + align_elements - 1) / align_elements * align_elements;
     b.params.push_back(i);
-    b.offsets.push_back(b.numel);
+    b.offsets.push_back(offset);
     plan.bucket_of_param[static_cast<size_t>(i)] = bucket_index;
-    plan.offset_of_param[static_cast<size_t>(i)] = b.numel;
-    b.numel += p.numel;
-    b.bytes += bytes;
+    plan.offset_of_param[static_cast<size_t>(i)] = offset;
+    b.numel = offset + p.numel;
+    b.bytes += bytes;  // the cap counts the gradients' bytes, as DDP's does, not the padding
     if (b.bytes >= cap_of(key)) {
       close(it);
     }

@@ -29,8 +29,8 @@ struct ParamSpec {
 struct Bucket {
   std::vector<int64_t> params;   // indices into the ParamSpec list, in ready order
   std::vector<int64_t> offsets;  // element offset of each param inside the flat buffer
-  int64_t numel = 0;
-  int64_t bytes = 0;
+  int64_t numel = 0;  // the flat buffer's elements, padding between slots included
+  int64_t bytes = 0;  // the parameters' bytes (what the cap counts), padding not included
   int dtype = 0;
   int device = 0;
   bool isolated = false;  // holds exactly one ParamSpec with isolated = true
@@ -55,10 +55,18 @@ struct BucketPlan {
 // early in backward. A parameter larger than the cap gets a bucket of its own.
 // An isolated parameter gets a bucket of its own where it is met in that walk
 // and leaves its group's open bucket open (DDP does the same for sparse ones).
-// Throws std::invalid_argument for non-positive caps or negative sizes.
+// Each parameter's offset in its bucket is a multiple of `align_elements`
+// (the padding between slots stays zero): a gradient view at an offset of,
+// say, 10 floats is not 16-byte aligned, and torch's multi_tensor_apply
+// kernels (fused AdamW, foreach copies) then take their unvectorised path for
+// that tensor. 16 elements keep every view 16-byte aligned for any dtype, a
+// bf16 send buffer's views included. DDP packs without padding.
+// Throws std::invalid_argument for non-positive caps or alignment, or negative sizes.
+inline constexpr int64_t kBucketAlignElements = 16;
 BucketPlan plan_buckets(
     const std::vector<ParamSpec>& params,
     int64_t bucket_cap_bytes,
-    int64_t first_bucket_cap_bytes);
+    int64_t first_bucket_cap_bytes,
+    int64_t align_elements = kBucketAlignElements);
 
 }  // namespace pgd::core

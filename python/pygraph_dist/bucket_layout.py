@@ -9,7 +9,10 @@ copies gradients in or out:
   a sparse or ``eager_params`` parameter alone in its bucket);
 * a dense bucket owns one flat buffer, and each of its parameters a view of
   it shaped (and, when dense, strided) like the parameter, which becomes its
-  ``.grad`` (DDP's ``gradient_as_bucket_view``); a sparse bucket has none;
+  ``.grad`` (DDP's ``gradient_as_bucket_view``); a sparse bucket has none.
+  Each view starts at a multiple of 16 elements, the padding between them
+  zero: one unaligned view (after a 10-class head's bias) made torch's fused
+  AdamW and foreach copies take their unvectorised path for every later slot;
 * with ``grad_comm_dtype`` a floating-point bucket of a wider type gets a
   persistent send buffer in that dtype, with views of its own, which the
   reducer's hooks write ``grad / world_size`` into (``bucket_comm.py``).
@@ -21,6 +24,7 @@ drives the reduction over them.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -67,7 +71,7 @@ def plan_layout(names: Sequence[str], params: Sequence[torch.nn.Parameter], is_s
     ]
     cap = max(1, int(bucket_cap_mb * 2**20))
     first = max(1, int(min(first_bucket_cap_mb, bucket_cap_mb) * 2**20))
-    plan = C.plan_buckets(specs, cap, first)
+    plan = C.plan_buckets(specs, cap, first, _align_elements())
 
     # Dense buckets own a flat buffer; a sparse bucket has none (its
     # gradient keeps its own indices and values).
@@ -88,8 +92,8 @@ def plan_layout(names: Sequence[str], params: Sequence[torch.nn.Parameter], is_s
         logger.info("grad_comm_dtype=%s has no effect at world size 1: nothing is sent, the "
                     "gradients stay in their own dtype", str(comm_dtype).replace("torch.", ""))
         comm_dtype = None
-    comm: list[torch.Tensor | None] = [
-        torch.empty(buf.numel(), dtype=comm_dtype, device=buf.device)
+    comm: list[torch.Tensor | None] = [  # zeros: the padding between slots is all-reduced too
+        torch.zeros(buf.numel(), dtype=comm_dtype, device=buf.device)
         if comm_dtype is not None and buf is not None and buf.is_floating_point()
         and buf.element_size() > torch.empty((), dtype=comm_dtype).element_size() else None
         for buf in buffers
@@ -105,6 +109,18 @@ def plan_layout(names: Sequence[str], params: Sequence[torch.nn.Parameter], is_s
             if comm[b] is not None:
                 comm_views[i] = _bucket_view(comm[b], p, plan.offset_of_param[i])
     return BucketLayout(plan, buffers, bucket_params, kinds, comm_dtype, comm, views, comm_views, bucket_of)
+
+
+def _align_elements() -> int:
+    """Each slot's offset is a multiple of this many elements (16: every view
+    16-byte aligned, csrc/core/bucket_plan.h); ``PYGRAPH_DIST_BUCKET_ALIGN=1``
+    packs slots back to back as DDP does (an A/B for benchmarks)."""
+    value = os.environ.get("PYGRAPH_DIST_BUCKET_ALIGN", "")
+    if not value:
+        return 16
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"PYGRAPH_DIST_BUCKET_ALIGN={value!r}: expected a positive number of elements")
+    return int(value)
 
 
 def _dtype_code(dtype: torch.dtype) -> int:

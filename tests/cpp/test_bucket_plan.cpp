@@ -26,10 +26,36 @@ TEST(BucketPlan, ReverseOrderAndCap) {
   // Reverse order: params 3, 2 fill the first bucket (800 B; 1200 would exceed).
   EXPECT_EQ(plan.buckets[0].params, (std::vector<int64_t>{3, 2}));
   EXPECT_EQ(plan.buckets[1].params, (std::vector<int64_t>{1, 0}));
-  EXPECT_EQ(plan.buckets[0].offsets, (std::vector<int64_t>{0, 100}));
-  EXPECT_EQ(plan.buckets[0].numel, 200);
+  // Slots start at multiples of 16 elements: 100 is padded to 112.
+  EXPECT_EQ(plan.buckets[0].offsets, (std::vector<int64_t>{0, 112}));
+  EXPECT_EQ(plan.buckets[0].numel, 212);
+  EXPECT_EQ(plan.buckets[0].bytes, 800);  // the cap counts the gradients, not the padding
   EXPECT_EQ(plan.bucket_of_param[0], 1);
-  EXPECT_EQ(plan.offset_of_param[0], 100);
+  EXPECT_EQ(plan.offset_of_param[0], 112);
+  // Without alignment, DDP's packing.
+  BucketPlan packed = plan_buckets(params, 1000, 1000, 1);
+  EXPECT_EQ(packed.buckets[0].offsets, (std::vector<int64_t>{0, 100}));
+  EXPECT_EQ(packed.buckets[0].numel, 200);
+}
+
+TEST(BucketPlan, SlotsAreAlignedForEveryElementSize) {
+  // A 10-element bias (a 10-class head) before 256-element slots: without
+  // padding every later fp32 slot would sit 40 bytes off a 16-byte boundary.
+  for (int64_t elem : {1, 2, 4, 8}) {
+    std::vector<ParamSpec> params = {{256, elem, 6, 0, true}, {2560, elem, 6, 0, true},
+                                     {3, elem, 6, 0, true}, {10, elem, 6, 0, true}};
+    BucketPlan plan = plan_buckets(params, 1 << 20, 1 << 20);
+    ASSERT_EQ(plan.buckets.size(), 1u);
+    const auto& b = plan.buckets[0];
+    EXPECT_EQ(b.params, (std::vector<int64_t>{3, 2, 1, 0}));
+    EXPECT_EQ(b.offsets, (std::vector<int64_t>{0, 16, 32, 2592}));
+    EXPECT_EQ(b.numel, 2592 + 256);
+    EXPECT_EQ(b.bytes, (10 + 3 + 2560 + 256) * elem);
+    for (int64_t off : b.offsets) {
+      EXPECT_EQ(off * elem % 16, 0) << "element size " << elem;
+    }
+  }
+  EXPECT_THROW(plan_buckets({f32(1)}, 100, 100, 0), std::invalid_argument);
 }
 
 TEST(BucketPlan, FirstBucketIsSmall) {
@@ -54,7 +80,7 @@ TEST(BucketPlan, IsolatedParamAloneAndOpenBucketStaysOpen) {
   EXPECT_TRUE(plan.buckets[1].isolated);
   EXPECT_EQ(plan.bucket_of_param[2], 1);
   EXPECT_EQ(plan.offset_of_param[2], 0);
-  EXPECT_EQ(plan.offset_of_param[1], 100);
+  EXPECT_EQ(plan.offset_of_param[1], 112);  // 100 rounded up to 16 elements
   // A tiny isolated parameter still never shares.
   std::vector<ParamSpec> two = {f32(1), f32(1)};
   two[0].isolated = true;
@@ -96,6 +122,7 @@ TEST(BucketPlan, FrozenParamsAreSkippedAndEveryOtherParamPlacedOnce) {
     int64_t expect_offset = 0;
     for (size_t k = 0; k < b.params.size(); ++k) {
       seen.insert(b.params[k]);
+      expect_offset = (expect_offset + 15) / 16 * 16;  // each slot 16-element aligned
       EXPECT_EQ(b.offsets[k], expect_offset);
       expect_offset += params[b.params[k]].numel;
     }
