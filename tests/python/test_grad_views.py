@@ -75,8 +75,9 @@ class Deep(nn.Module):
 
 def bucket_copies_per_backward(steps=3, cap=0.003, small=None):
     """The ops one backward dispatches into the buckets: at world size 1 one
-    foreach copy per bucket (bucket_comm.BucketCopies), no per-parameter copy;
-    at world size 1 the gradients still equal a model's without the wrapper."""
+    cat per span of adjacent waiting slots, else one foreach copy per bucket
+    (bucket_comm.BucketCopies), no per-parameter copy; at world size 1 the
+    gradients still equal a model's without the wrapper."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -123,13 +124,18 @@ def bucket_copies_per_backward(steps=3, cap=0.003, small=None):
             "world": dist.get_world_size() if dist.is_initialized() else 1}
 
 
-@pytest.mark.parametrize("world_size,cap,small", [(1, 0.003, None), (1, 10.0, None), (1, 10.0, 100),
-                                                  (2, 0.003, None)])
-def test_world_size_1_copies_a_bucket_at_a_time(ranks, world_size, cap, small):
+@pytest.mark.parametrize("world_size,cap,small,cat", [(1, 0.003, None, True), (1, 10.0, None, True),
+                                                      (1, 10.0, 100, True), (1, 10.0, None, False),
+                                                      (2, 0.003, None, True)])
+def test_world_size_1_copies_a_bucket_at_a_time(ranks, world_size, cap, small, cat):
     """A copy kernel per parameter tensor was ~1.4 us of GPU time each inside
-    the graph (tier 1 at 502 tensors 12% slower than the hand-written graph)."""
+    the graph (tier 1 at 502 tensors 12% slower than the hand-written graph).
+    Every slot waiting (16 and 256 elements, multiples of the 16-element
+    alignment): a bucket's slots follow each other, one cat; only the biases
+    waiting (small=100): the weights between them, one foreach copy."""
     for r in ranks("test_grad_views:bucket_copies_per_backward", world_size=world_size, timeout=120,
-                   kwargs={"cap": cap, **({"small": small} if small else {})}):
+                   kwargs={"cap": cap, **({"small": small} if small else {})},
+                   env=None if cat else {"PYGRAPH_DIST_BUCKET_CAT": "0"}):
         waits = [[n for n in bucket if n <= r["small"]] for bucket in r["sizes"]]
         large = sum(len(bucket) for bucket in r["sizes"]) - sum(map(len, waits))
         assert sum(map(len, r["sizes"])) == 12 and large == (6 if small else 0), r["sizes"]
@@ -140,11 +146,41 @@ def test_world_size_1_copies_a_bucket_at_a_time(ranks, world_size, cap, small):
         singles = sum(1 for bucket in waits if len(bucket) == 1)
         for ops in r["counts"]:
             if world_size == 1:
-                assert ops.get("_foreach_copy_", 0) == multi, (ops, r["sizes"])
+                spans = multi if cat and not small else 0
+                assert ops.get("cat", 0) == spans, (ops, r["sizes"])
+                assert ops.get("_foreach_copy_", 0) == multi - spans, (ops, r["sizes"])
                 assert ops.get("copy_", 0) == singles + large, (ops, r["sizes"])
             else:  # scaled by 1/world_size on the way in, one fused op per parameter
                 assert ops.get("_foreach_copy_", 0) == 0, ops
                 assert ops.get("mul", 0) >= 12, ops
+
+
+def test_copy_plan_spans_adjacent_contiguous_slots():
+    """bucket_comm.copy_plan: adjacent contiguous slots become one span of the
+    bucket, in slot order whatever the arrival order; a slot after padding, a
+    strided one and a slot alone go to the foreach copy. Copying by the plan
+    writes exactly what per-slot copies write, padding untouched."""
+    from pygraph_dist.bucket_comm import copy_plan
+
+    buf = torch.full((200,), -7.0)
+    # Slots: a [0,16) b [16,48) c [48,58) pad d [64,80) e [80,96) as a 4x4 transposed, f [128,130) alone
+    a, b, c = buf[0:16], buf[16:48].view(4, 8), buf[48:58]
+    d = buf[64:80]
+    e = buf.as_strided((4, 4), (1, 4), 80)
+    f = buf[128:130]
+    views = [f, c, e, b, d, a]  # arrival order: the reverse of the slots, as backward delivers them
+    runs, rest = copy_plan(views)
+    assert [members for _, members in runs] == [[5, 3, 1]], runs  # a, b, c: 58 elements from 0
+    span, _ = runs[0]
+    assert span.storage_offset() == 0 and span.shape == (58,) and span.data_ptr() == buf.data_ptr()
+    assert rest == [0, 2, 4]  # f alone, e strided, d alone after c's padding
+    grads = [torch.randn(v.shape) for v in views]
+    out = [grads[k].view(-1) for k in runs[0][1]]
+    torch.cat(out, out=span)
+    torch._foreach_copy_([views[k] for k in rest], [grads[k] for k in rest])
+    for v, g in zip(views, grads):
+        assert torch.equal(v, g)
+    assert torch.equal(buf[58:64], torch.full((6,), -7.0)) and torch.equal(buf[96:128], torch.full((32,), -7.0))
 
 
 class _Boom(torch.autograd.Function):
