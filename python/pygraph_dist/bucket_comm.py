@@ -79,11 +79,14 @@ class BucketCopies:
     at once, as before (batched too, GPT-2's step was 0.6% slower on an H100:
     its copy outlasts a launch, and -- a guess, not profiled -- copied at once
     it may still be in L2). Once the bucket is complete, the waiting
-    gradients whose slots follow each other are copied by one ``torch.cat``
-    into that span of the bucket; the others by one ``torch._foreach_copy_``.
-    (The foreach copy alone, session 38, gives each 64K-element chunk a single
-    thread block: 18 gradients of a small MLP took 21 us of GPU time on an
-    H100, against ~28 us for the whole fused AdamW step.) The same values are
+    gradients whose slots follow each other, :data:`CAT_MIN` elements or more
+    together, are copied by one ``torch.cat`` into that span of the bucket;
+    the others by one ``torch._foreach_copy_``. (The foreach copy gives each
+    64K-element chunk a single thread block: 18 gradients of a small MLP took
+    21 us of GPU time on an H100, against ~28 us for the whole fused AdamW
+    step. A span of a few small gradients between large ones -- a layer's
+    biases and LayerNorm -- is better left to it: a cat per such span made
+    bench_scaling's 32-layer MLP 2% slower.) The same values are
     copied, so training is bitwise unchanged. A waiting gradient lives until
     its bucket is complete and is ``.grad`` until then: a hook registered
     after ``wrap()`` sees it, not the view. All of a bucket's waiting
@@ -91,6 +94,7 @@ class BucketCopies:
     one stream). ``PYGRAPH_DIST_BUCKET_CAT=0``: the foreach copy only (A/B)."""
 
     SMALL = 1 << 18  # elements (1 MiB of fp32): ~0.7 us of copy at ~3 TB/s, about one launch
+    CAT_MIN = 1 << 16  # elements of a span worth a cat of its own: one foreach chunk
 
     __slots__ = ("pending", "plans", "use_cat")
 
@@ -125,7 +129,7 @@ class BucketCopies:
             if plan is None:
                 if len(self.plans[b]) >= 16:  # arrival orders that keep changing: keep the cache small
                     self.plans[b].clear()
-                plan = self.plans[b][key] = copy_plan([v for _, v, _ in pending])
+                plan = self.plans[b][key] = copy_plan([v for _, v, _ in pending], self.CAT_MIN)
             runs, rest = plan
             grads = [g for _, _, g in pending]
             if not all(g.is_contiguous() for g in grads):  # a layout the plan did not expect
@@ -149,21 +153,22 @@ class BucketCopies:
             pending.clear()
 
 
-def copy_plan(views: list[torch.Tensor]) -> tuple[list, list]:
+def copy_plan(views: list[torch.Tensor], min_numel: int = 0) -> tuple[list, list]:
     """How to copy into ``views`` (slots of one bucket, in arrival order):
     ``runs``, each ``(span, positions)`` -- a flat view of the bucket over
-    contiguous slots that follow each other with no gap, and the positions of
-    their views in slot order, two or more -- and ``rest``, the positions
-    left to the foreach copy (a slot alone, or not contiguous)."""
+    contiguous slots that follow each other with no gap, two or more, at
+    least ``min_numel`` elements together, and the positions of their views
+    in slot order -- and ``rest``, the positions left to the foreach copy (a
+    slot alone, in a shorter span, or not contiguous)."""
     order = sorted((k for k, v in enumerate(views) if v.is_contiguous()), key=lambda k: views[k].storage_offset())
     runs: list = []
     rest = [k for k, v in enumerate(views) if not v.is_contiguous()]
     group: list[int] = []
 
     def close() -> None:
-        if len(group) >= 2:
+        total = sum(views[k].numel() for k in group)
+        if len(group) >= 2 and total >= min_numel:
             first = views[group[0]]
-            total = sum(views[k].numel() for k in group)
             runs.append((first.as_strided((total,), (1,), first.storage_offset()), list(group)))
         else:
             rest.extend(group)

@@ -73,7 +73,7 @@ class Deep(nn.Module):
         return F.cross_entropy(self.body(x)[:, :4], y)
 
 
-def bucket_copies_per_backward(steps=3, cap=0.003, small=None):
+def bucket_copies_per_backward(steps=3, cap=0.003, small=None, cat_min=0):
     """The ops one backward dispatches into the buckets: at world size 1 one
     cat per span of adjacent waiting slots, else one foreach copy per bucket
     (bucket_comm.BucketCopies), no per-parameter copy; at world size 1 the
@@ -94,6 +94,8 @@ def bucket_copies_per_backward(steps=3, cap=0.003, small=None):
 
     if small is not None:  # this process's threshold: 16-element biases wait, 256-element weights don't
         BucketCopies.SMALL = small
+    if cat_min >= 0:  # 0: every span of two slots or more is a cat; -1: the default (this model's are shorter)
+        BucketCopies.CAT_MIN = cat_min
     pgd.init()
     rank = dist.get_rank()
     dev = device()
@@ -124,17 +126,19 @@ def bucket_copies_per_backward(steps=3, cap=0.003, small=None):
             "world": dist.get_world_size() if dist.is_initialized() else 1}
 
 
-@pytest.mark.parametrize("world_size,cap,small,cat", [(1, 0.003, None, True), (1, 10.0, None, True),
-                                                      (1, 10.0, 100, True), (1, 10.0, None, False),
-                                                      (2, 0.003, None, True)])
-def test_world_size_1_copies_a_bucket_at_a_time(ranks, world_size, cap, small, cat):
+@pytest.mark.parametrize("world_size,cap,small,cat,cat_min", [
+    (1, 0.003, None, True, 0), (1, 10.0, None, True, 0), (1, 10.0, 100, True, 0), (1, 10.0, None, False, 0),
+    (1, 10.0, None, True, -1), (2, 0.003, None, True, 0)])
+def test_world_size_1_copies_a_bucket_at_a_time(ranks, world_size, cap, small, cat, cat_min):
     """A copy kernel per parameter tensor was ~1.4 us of GPU time each inside
     the graph (tier 1 at 502 tensors 12% slower than the hand-written graph).
     Every slot waiting (16 and 256 elements, multiples of the 16-element
     alignment): a bucket's slots follow each other, one cat; only the biases
-    waiting (small=100): the weights between them, one foreach copy."""
+    waiting (small=100): the weights between them, one foreach copy; with
+    the default CAT_MIN (64K elements) this model's spans are too short for
+    a cat of their own: one foreach copy."""
     for r in ranks("test_grad_views:bucket_copies_per_backward", world_size=world_size, timeout=120,
-                   kwargs={"cap": cap, **({"small": small} if small else {})},
+                   kwargs={"cap": cap, "cat_min": cat_min, **({"small": small} if small else {})},
                    env=None if cat else {"PYGRAPH_DIST_BUCKET_CAT": "0"}):
         waits = [[n for n in bucket if n <= r["small"]] for bucket in r["sizes"]]
         large = sum(len(bucket) for bucket in r["sizes"]) - sum(map(len, waits))
@@ -146,7 +150,7 @@ def test_world_size_1_copies_a_bucket_at_a_time(ranks, world_size, cap, small, c
         singles = sum(1 for bucket in waits if len(bucket) == 1)
         for ops in r["counts"]:
             if world_size == 1:
-                spans = multi if cat and not small else 0
+                spans = multi if cat and not small and cat_min == 0 else 0
                 assert ops.get("cat", 0) == spans, (ops, r["sizes"])
                 assert ops.get("_foreach_copy_", 0) == multi - spans, (ops, r["sizes"])
                 assert ops.get("copy_", 0) == singles + large, (ops, r["sizes"])
@@ -171,6 +175,8 @@ def test_copy_plan_spans_adjacent_contiguous_slots():
     views = [f, c, e, b, d, a]  # arrival order: the reverse of the slots, as backward delivers them
     runs, rest = copy_plan(views)
     assert [members for _, members in runs] == [[5, 3, 1]], runs  # a, b, c: 58 elements from 0
+    assert [m for _, m in copy_plan(views, 58)[0]] == [[5, 3, 1]]  # a span of min_numel elements or more
+    assert copy_plan(views, 59) == ([], [0, 1, 2, 3, 4, 5])
     span, _ = runs[0]
     assert span.storage_offset() == 0 and span.shape == (58,) and span.data_ptr() == buf.data_ptr()
     assert rest == [0, 2, 4]  # f alone, e strided, d alone after c's padding
