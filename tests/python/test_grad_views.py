@@ -264,3 +264,34 @@ def failed_backward_then_zero_grad(steps=3):
 def test_a_failed_backward_leaves_nothing_behind_zero_grad(ranks, world_size):
     for r in ranks("test_grad_views:failed_backward_then_zero_grad", world_size=world_size, timeout=120):
         assert r["diffs"] and max(r["diffs"]) < 1e-6, r["diffs"]
+
+
+@pytest.mark.parametrize("align", ["", "1", "0"])
+def test_bucket_slots_are_aligned_and_padding_is_zero(monkeypatch, align):
+    """bucket_layout.plan_layout: slots at multiples of 16 elements (a 10-element
+    bias first no longer shifts the weight after it off a 16-byte boundary), the
+    bf16 send buffer's padding zero like the bucket's;
+    PYGRAPH_DIST_BUCKET_ALIGN=1 packs as DDP does; 0 is refused."""
+    from pygraph_dist.bucket_layout import plan_layout
+
+    if align:
+        monkeypatch.setenv("PYGRAPH_DIST_BUCKET_ALIGN", align)
+    net = nn.Linear(4, 10)
+    names = [n for n, _ in net.named_parameters()]
+    params = [p for _, p in net.named_parameters()]
+
+    def plan():
+        return plan_layout(names, params, [False, False], eager=(), bucket_cap_mb=25.0, first_bucket_cap_mb=1.0,
+                           comm_dtype=torch.bfloat16, world_size=2)
+
+    if align == "0":
+        with pytest.raises(ValueError, match="PYGRAPH_DIST_BUCKET_ALIGN='0'"):
+            plan()
+        return
+    layout = plan()
+    weight, bias = layout.views
+    assert bias.storage_offset() == 0  # reverse order: the bias is ready first
+    assert weight.storage_offset() == (10 if align == "1" else 16)
+    assert layout.buffers[0].numel() == weight.storage_offset() + 40
+    assert torch.count_nonzero(layout.comm[0]) == 0 and torch.count_nonzero(layout.buffers[0]) == 0
+    assert layout.comm_views[0].storage_offset() == weight.storage_offset()
