@@ -60,7 +60,9 @@ struct BucketPlan {
 // say, 10 floats is not 16-byte aligned, and torch's multi_tensor_apply
 // kernels (fused AdamW, foreach copies) then take their unvectorised path for
 // that tensor. 16 elements keep every view 16-byte aligned for any dtype, a
-// bf16 send buffer's views included. DDP packs without padding.
+// bf16 send buffer's views included. DDP packs without padding. (At 3+ ranks
+// a ring all-reduce sums in an order that follows element positions, so the
+// padding can move a reduced gradient by 1 ulp against a packed layout.)
 // Throws std::invalid_argument for non-positive caps or alignment, or negative sizes.
 inline constexpr int64_t kBucketAlignElements = 16;
 BucketPlan plan_buckets(

@@ -132,7 +132,11 @@ class BucketCopies:
                 plan = self.plans[b][key] = copy_plan([v for _, v, _ in pending], self.CAT_MIN)
             runs, rest = plan
             grads = [g for _, _, g in pending]
-            if not all(g.is_contiguous() for g in grads):  # a layout the plan did not expect
+            # A layout the plan did not expect, or backward(create_graph=True):
+            # cat(out=) refuses gradients that require grad; the foreach copy
+            # takes them, as before.
+            if not all(g.is_contiguous() for g in grads) or (
+                    torch.is_grad_enabled() and any(g.requires_grad for g in grads)):
                 runs, rest = (), range(len(pending))
             for out, members in runs:
                 torch.cat([grads[k].view(-1) for k in members], out=out)

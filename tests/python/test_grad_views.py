@@ -159,6 +159,31 @@ def test_world_size_1_copies_a_bucket_at_a_time(ranks, world_size, cap, small, c
                 assert ops.get("mul", 0) >= 12, ops
 
 
+def create_graph_backward():
+    """backward(create_graph=True) at world size 1 with a span long enough for a
+    cat (a 256x256 weight next to its bias): the gradients require grad, which
+    cat(out=) refuses; the foreach copy takes them."""
+    pgd.init()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    plain = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    plain.load_state_dict(net.state_dict())
+    model, opt = pgd.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), graphs=False)
+    x = torch.randn(8, 256)
+    opt.zero_grad(set_to_none=True)
+    model(x).pow(2).mean().backward(create_graph=True)
+    plain(x).pow(2).mean().backward(create_graph=True)
+    equal = all(torch.equal(a.grad, b.grad) for a, b in zip(net.parameters(), plain.parameters()))
+    views = all(p.grad is v for p, v in zip(model.engine.reducer.params, model.engine.reducer.views))
+    pgd.shutdown()
+    return {"equal": equal, "views": views}
+
+
+def test_create_graph_backward_at_world_size_1(ranks):
+    (r,) = ranks("test_grad_views:create_graph_backward", world_size=1, timeout=120)
+    assert r["equal"] and r["views"], r
+
+
 def test_copy_plan_spans_adjacent_contiguous_slots():
     """bucket_comm.copy_plan: adjacent contiguous slots become one span of the
     bucket, in slot order whatever the arrival order; a slot after padding, a
