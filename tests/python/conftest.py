@@ -171,6 +171,7 @@ def _run_ranks_once(case, tmp_path, *, world_size, timeout, kwargs, env, expect_
             RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
             PYTHONPATH=str(ROOT / "tests" / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            PGD_TEST_RANKS_PARENT=str(os.getpid()),  # rank_main.die_with_the_test
         )
         if env:
             env_r.update(env)

@@ -10,6 +10,7 @@ process group is shut down the way a user's script would.
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import importlib
 import inspect
@@ -29,7 +30,31 @@ def _value(text: str):
     return text
 
 
+PARENT_ENV = "PGD_TEST_RANKS_PARENT"  # the pid of the test process that started this rank
+
+
+def die_with_the_test() -> None:
+    """Linux: this rank gets SIGKILL when the test process that started it dies.
+
+    A `timeout` around pytest, or a Ctrl-C, kills pytest without its finally
+    blocks, and a rank left running keeps its GPU and host busy while the next
+    command measures. Session 41's GPU call saw this: the ranks of a test
+    killed at the call's limit may have run on while a benchmark measured.
+    PR_SET_PDEATHSIG survives the exec that started this process; a parent
+    that was already gone before the prctl is caught by the pid check."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):
+        os._exit(1)
+
+
 def main(argv: list[str]) -> None:
+    die_with_the_test()
     # run_ranks sends SIGUSR1 before it kills a rank that ran past its timeout:
     # every thread's stack goes to the rank's log, to show where it waited.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
