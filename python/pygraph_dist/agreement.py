@@ -152,3 +152,41 @@ def explain_mismatch(everyone: list[dict]) -> str:
                 f"{first['details']['config']} vs {other['details']['config']}"
             )
     return "ranks disagree"
+
+
+def check_same_model(named_tensors: Sequence[tuple[str, torch.Tensor]], buffers: Sequence[torch.Tensor | None], *,
+                     group, device: torch.device) -> None:
+    """``wrap()``: every rank has the same trainable parameters and module
+    buffers (names, shapes, dtypes) and planned the same gradient buckets,
+    checked before the first collective that depends on them (rank 0's
+    parameters broadcast, the buckets' all-reduces). A rank whose model or
+    bucket plan differed used to hang or fail inside the backend there; DDP
+    checks parameter shapes the same way (``_verify_param_shape_across_processes``).
+    Raises RuntimeError on every rank, saying what differs."""
+    params = [f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for n, t in named_tensors]
+    buckets = [int(b.numel()) if b is not None else -1 for b in buffers]
+    verdict = agree(True, "", [config_digest("\n".join(params)), config_digest(repr(buckets))],
+                    group=group, device=device, details={"params": params, "buckets": buckets},
+                    explain=_explain_model_mismatch)
+    if not verdict.agreed:
+        raise RuntimeError(f"pygraph_dist.wrap(): {verdict.reason}")
+
+
+def _explain_model_mismatch(everyone: list[dict]) -> str:
+    first = everyone[0]
+    for other in everyone[1:]:
+        a, b = first["details"]["params"], other["details"]["params"]
+        if a != b:
+            i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            shown = [seq[i] if i < len(seq) else "nothing" for seq in (a, b)]
+            return (f"the ranks' models differ: rank {first['rank']} has {len(a)} trainable parameters and "
+                    f"buffers, rank {other['rank']} has {len(b)}; the first difference is rank "
+                    f"{first['rank']}'s '{shown[0]}' against rank {other['rank']}'s '{shown[1]}'. Wrap the "
+                    "same model on every rank (DDP requires the same).")
+        a, b = first["details"]["buckets"], other["details"]["buckets"]
+        if a != b:
+            return (f"the ranks planned different gradient buckets (elements per bucket: rank "
+                    f"{first['rank']} {a[:8]}, rank {other['rank']} {b[:8]}). Pass the same bucket_cap_mb, "
+                    "eager_params and grad_comm_dtype to wrap() on every rank, with the same "
+                    "PYGRAPH_DIST_BUCKET_ALIGN in every rank's environment.")
+    return "ranks disagree"

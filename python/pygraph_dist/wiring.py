@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import clip_route, kernels
+from . import agreement, clip_route, kernels
 from ._ext import graphs_available
 from .accumulation import LearnedAccumulation
 from .amp import ensure_scale_initialised, make_grad_scaler, parse_amp
@@ -104,6 +104,11 @@ class EngineWiring:
             loss_fn=config.loss_fn, max_grad_norm=config.max_grad_norm, group=self.group,
             broadcast_buffers=config.broadcast_buffers, device=self.device,
             skip_nonfinite=config.skip_nonfinite)
+        if self.world_size > 1:  # before the first collective that needs the same model everywhere
+            cuda = self.device.type == "cuda"
+            agreement.check_same_model(list(module.named_parameters()) + list(module.named_buffers()),
+                                       self.reducer.buffers,
+                                       group=self.group, device=self.device if cuda else torch.device("cpu"))
         self.step.sync_module_states()
         # The side stream goes back to the pool at teardown, or when the engine
         # is garbage (its graphs go with it), never twice (step.acquire_side_stream).

@@ -544,3 +544,37 @@ def test_step_overlap_only_where_the_split_is_the_same_step():
     hooked = torch.optim.AdamW([nn.Parameter(torch.zeros(2))])
     hooked.register_step_post_hook(lambda *a: None)
     assert "twice" in reason(opt=hooked)
+
+
+def mismatched_wrap(kind: str):
+    """wrap() on ranks whose models (kind="width", "buffer") or bucket plans
+    (kind="cap") differ: every rank raises, saying what differs, instead of
+    hanging in the first broadcast or all-reduce."""
+    pgd.init()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    width = 12 if kind == "width" and rank == 1 else 10
+    net = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 3))
+    if kind == "buffer":
+        net.register_buffer("scale", torch.ones(2 + rank))
+    cap = 1e-4 if kind == "cap" and rank == 1 else 25.0
+    try:
+        pgd.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), bucket_cap_mb=cap)
+        error = ""
+    except RuntimeError as exc:
+        error = str(exc)
+    pgd.shutdown()
+    return {"error": error}
+
+
+@pytest.mark.parametrize("kind", ["width", "buffer", "cap"])
+def test_wrap_refuses_models_that_differ_between_ranks(ranks, kind):
+    for r in ranks("test_cpu_training:mismatched_wrap", timeout=60, kwargs={"kind": kind}):
+        if kind == "cap":
+            assert "the ranks planned different gradient buckets" in r["error"], r
+            assert "bucket_cap_mb" in r["error"]
+        else:
+            assert "the ranks' models differ" in r["error"], r
+            shown = "'0.weight (10, 4) float32' against rank 1's '0.weight (12, 4) float32'" if kind == "width" \
+                else "'scale (2,) float32' against rank 1's 'scale (3,) float32'"
+            assert shown in r["error"], r
