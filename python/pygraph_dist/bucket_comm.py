@@ -119,31 +119,27 @@ class BucketCopies:
         pending = self.pending[b]
         if not pending:
             return
-        if len(pending) == 1:
-            pending[0][1].copy_(pending[0][2])
-        elif not self.use_cat:
-            torch._foreach_copy_([v for _, v, _ in pending], [g for _, _, g in pending])
-        else:
-            key = tuple(id(v) for _, v, _ in pending)
+        views = [v for _, v, _ in pending]
+        grads = [g for _, _, g in pending]
+        # cat(out=) takes contiguous gradients that do not require grad (they
+        # do under backward(create_graph=True)); the foreach copy takes any.
+        if (len(pending) > 1 and self.use_cat and all(g.is_contiguous() for g in grads)
+                and not (torch.is_grad_enabled() and any(g.requires_grad for g in grads))):
+            key = tuple(map(id, views))
             plan = self.plans[b].get(key)
             if plan is None:
                 if len(self.plans[b]) >= 16:  # arrival orders that keep changing: keep the cache small
                     self.plans[b].clear()
-                plan = self.plans[b][key] = copy_plan([v for _, v, _ in pending], self.CAT_MIN)
+                plan = self.plans[b][key] = copy_plan(views, self.CAT_MIN)
             runs, rest = plan
-            grads = [g for _, _, g in pending]
-            # A layout the plan did not expect, or backward(create_graph=True):
-            # cat(out=) refuses gradients that require grad; the foreach copy
-            # takes them, as before.
-            if not all(g.is_contiguous() for g in grads) or (
-                    torch.is_grad_enabled() and any(g.requires_grad for g in grads)):
-                runs, rest = (), range(len(pending))
-            for out, members in runs:
-                torch.cat([grads[k].view(-1) for k in members], out=out)
-            if len(rest) == 1:
-                pending[rest[0]][1].copy_(grads[rest[0]])
-            elif rest:
-                torch._foreach_copy_([pending[k][1] for k in rest], [grads[k] for k in rest])
+        else:
+            runs, rest = (), range(len(pending))
+        for out, members in runs:
+            torch.cat([grads[k].view(-1) for k in members], out=out)
+        if len(rest) == 1:
+            views[rest[0]].copy_(grads[rest[0]])
+        elif rest:
+            torch._foreach_copy_([views[k] for k in rest], [grads[k] for k in rest])
         for param, view, _ in pending:
             param.grad = view
         pending.clear()
