@@ -125,6 +125,7 @@ void bind_core(py::module_& m) {
         py::arg("align_elements") = core::kBucketAlignElements,
         "Assign parameters to gradient buckets (reverse order, per dtype/device), each "
         "offset a multiple of align_elements.");
+  m.attr("BUCKET_ALIGN_ELEMENTS") = core::kBucketAlignElements;
 
   py::class_<core::CaptureFingerprint>(m, "CaptureFingerprint")
       .def(py::init<>())

@@ -112,12 +112,13 @@ def plan_layout(names: Sequence[str], params: Sequence[torch.nn.Parameter], is_s
 
 
 def _align_elements() -> int:
-    """Each slot's offset is a multiple of this many elements (16: every view
-    16-byte aligned, csrc/core/bucket_plan.h); ``PYGRAPH_DIST_BUCKET_ALIGN=1``
-    packs slots back to back as DDP does (an A/B for benchmarks)."""
+    """Each slot's offset is a multiple of this many elements (the core's
+    default, 16: every view 16-byte aligned, csrc/core/bucket_plan.h);
+    ``PYGRAPH_DIST_BUCKET_ALIGN=1`` packs slots back to back as DDP does (an
+    A/B for benchmarks)."""
     value = os.environ.get("PYGRAPH_DIST_BUCKET_ALIGN", "")
     if not value:
-        return 16
+        return C.BUCKET_ALIGN_ELEMENTS
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"PYGRAPH_DIST_BUCKET_ALIGN={value!r}: expected a positive number of elements")
     return int(value)
