@@ -156,7 +156,7 @@ def explain_mismatch(everyone: list[dict]) -> str:
 
 def check_same_model(named_tensors: Sequence[tuple[str, torch.Tensor]], buffers: Sequence[torch.Tensor | None], *,
                      group, device: torch.device) -> None:
-    """``wrap()``: every rank has the same trainable parameters and module
+    """``wrap()``: every rank has the same parameters (frozen ones too) and module
     buffers (names, shapes, dtypes) and planned the same gradient buckets,
     checked before the first collective that depends on them (rank 0's
     parameters broadcast, the buckets' all-reduces). A rank whose model or
@@ -179,7 +179,7 @@ def _explain_model_mismatch(everyone: list[dict]) -> str:
         if a != b:
             i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             shown = [seq[i] if i < len(seq) else "nothing" for seq in (a, b)]
-            return (f"the ranks' models differ: rank {first['rank']} has {len(a)} trainable parameters and "
+            return (f"the ranks' models differ: rank {first['rank']} has {len(a)} parameters and "
                     f"buffers, rank {other['rank']} has {len(b)}; the first difference is rank "
                     f"{first['rank']}'s '{shown[0]}' against rank {other['rank']}'s '{shown[1]}'. Wrap the "
                     "same model on every rank (DDP requires the same).")

@@ -104,11 +104,11 @@ class EngineWiring:
             loss_fn=config.loss_fn, max_grad_norm=config.max_grad_norm, group=self.group,
             broadcast_buffers=config.broadcast_buffers, device=self.device,
             skip_nonfinite=config.skip_nonfinite)
+        cuda = self.device.type == "cuda"
+        self.agree_device = self.device if cuda else torch.device("cpu")
         if self.world_size > 1:  # before the first collective that needs the same model everywhere
-            cuda = self.device.type == "cuda"
             agreement.check_same_model(list(module.named_parameters()) + list(module.named_buffers()),
-                                       self.reducer.buffers,
-                                       group=self.group, device=self.device if cuda else torch.device("cpu"))
+                                       self.reducer.buffers, group=self.group, device=self.agree_device)
         self.step.sync_module_states()
         # The side stream goes back to the pool at teardown, or when the engine
         # is garbage (its graphs go with it), never twice (step.acquire_side_stream).
@@ -129,9 +129,7 @@ class EngineWiring:
                             "compiled backward with retain_graph=True, which donated buffers forbid")
         make_graph_aware(optimizer, self)
 
-        cuda = self.device.type == "cuda"
         self.fp_backend = graph_safe_backend(self.group, "cuda") if cuda else None
-        self.agree_device = self.device if cuda else torch.device("cpu")
         self.loop = LoopState(self.owned_storages, monitor=config.monitor)
         self.loop.param_ids = {id(p) for p in self.reducer.params}
         # Every parameter of the module, frozen ones too: clip_grad_norm_(model.parameters())
