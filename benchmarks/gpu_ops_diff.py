@@ -115,10 +115,6 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=str(HERE / "results" / "tmp"))
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29563")
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(k, v)
     import torch
 
     if not torch.cuda.is_available():
@@ -128,9 +124,7 @@ def main(argv=None) -> int:
 
     pgd.init()
     dev = torch.device("cuda", torch.cuda.current_device())
-    torch.manual_seed(1)
-    batches = [(torch.randn(hc.BATCH, hc.WIDTH, device=dev), torch.randint(0, hc.CLASSES, (hc.BATCH,), device=dev))
-               for _ in range(hc.BATCHES)]
+    batches = hc.make_batches(dev)
     header = (f"GPU work per step against the first mode; {torch.cuda.get_device_name()}; "
               f"torch {torch.__version__}; wall over {args.steps} back-to-back steps, "
               f"kernels over {args.profiled} profiled steps")

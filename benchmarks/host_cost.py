@@ -481,6 +481,15 @@ def gpu_ops(mode: Mode, n: int = 5) -> dict:
                                 for k, v in top]}
 
 
+def make_batches(dev) -> list:
+    """The ``BATCHES`` (inputs, targets) pairs every mode trains on, seeded."""
+    import torch
+
+    torch.manual_seed(1)
+    return [(torch.randn(BATCH, WIDTH, device=dev), torch.randint(0, CLASSES, (BATCH,), device=dev))
+            for _ in range(BATCHES)]
+
+
 def run_all(args, modes: list[str], spans=None) -> list[dict]:
     import torch
 
@@ -488,9 +497,7 @@ def run_all(args, modes: list[str], spans=None) -> list[dict]:
 
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     pgd.init()
-    torch.manual_seed(1)
-    batches = [(torch.randn(BATCH, WIDTH, device=dev), torch.randint(0, CLASSES, (BATCH,), device=dev))
-               for _ in range(BATCHES)]
+    batches = make_batches(dev)
     rows = []
     for layers in args.layers:
         for name in modes:
