@@ -13,10 +13,12 @@ differs from the first mode's (the hand recipe by default):
 
 A mode ``NAME@VARIANT`` runs NAME with the bucket variables of ``VARIANTS``
 (A/B of the bucket layout in one process: ``pgd_tier1@packed`` is the layout
-before session 41, slots packed back to back and copied by foreach).
+before session 41, slots packed back to back and copied by foreach;
+``@copies`` is session 41's, the gradients copied into the buckets at world
+size 1 rather than kept where the graph computed them).
 
     python benchmarks/gpu_ops_diff.py --layers 8,250 \
-        --modes hand,pgd_tier1@packed,pgd_tier1@foreach,pgd_tier1,pgd_tier2@packed,pgd_tier2
+        --modes hand,pgd_tier1@copies,pgd_tier1,pgd_tier2@copies,pgd_tier2
 
 JSON (per mode: wall, busy, ops and the per-kernel table) next to the text.
 Profiled steps run slower than unprofiled ones; compare within a run.
@@ -36,8 +38,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-# PYGRAPH_DIST_BUCKET_ALIGN, PYGRAPH_DIST_BUCKET_CAT per variant (read at wrap()).
-VARIANTS = {"": ("16", "1"), "packed": ("1", "0"), "foreach": ("16", "0")}
+# PYGRAPH_DIST_BUCKET_ALIGN, PYGRAPH_DIST_BUCKET_CAT, PYGRAPH_DIST_ADOPT_GRADS per
+# variant (read at wrap()). "copies": world size 1 copies the gradients into the
+# buckets instead of keeping the graph's (grad_adoption.py; before session 42).
+VARIANTS = {"": ("16", "1", "1"), "packed": ("1", "0", "0"), "foreach": ("16", "0", "0"),
+            "copies": ("16", "1", "0")}
 _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -53,7 +58,8 @@ def profile_mode(label: str, layers: int, dev, batches, *, steps: int, profiled:
     name, _, variant = label.partition("@")
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r} in {label!r}; choose from {sorted(VARIANTS)}")
-    os.environ["PYGRAPH_DIST_BUCKET_ALIGN"], os.environ["PYGRAPH_DIST_BUCKET_CAT"] = VARIANTS[variant]
+    (os.environ["PYGRAPH_DIST_BUCKET_ALIGN"], os.environ["PYGRAPH_DIST_BUCKET_CAT"],
+     os.environ["PYGRAPH_DIST_ADOPT_GRADS"]) = VARIANTS[variant]
     mode = hc.Mode(name, layers, dev, batches)
     mode.setup()
     try:
@@ -107,7 +113,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="GPU time per step by kernel, against the first mode (one GPU).")
     p.add_argument("--layers", default="8", help="comma list of host_cost's hidden layers (8: 18 tensors)")
     p.add_argument("--modes", default="hand,pgd_tier1@packed,pgd_tier1,pgd_tier2@packed,pgd_tier2",
-                   help="comma list of host_cost modes, each optionally @packed or @foreach; the first is the reference")
+                   help="comma list of host_cost modes, each optionally @packed, @foreach or @copies; the first is the reference")
     p.add_argument("--steps", type=int, default=300, help="back-to-back steps timed for the wall time")
     p.add_argument("--profiled", type=int, default=30, help="steps profiled")
     p.add_argument("--warmup", type=int, default=60)

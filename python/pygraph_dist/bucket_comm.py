@@ -32,12 +32,15 @@ adjacent slots), instead of one kernel per parameter tensor.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 import torch.distributed as dist
 
 from . import collectives, kernels
+
+logger = logging.getLogger("pygraph_dist")
 
 
 class CastBack:
@@ -144,6 +147,10 @@ class BucketCopies:
             param.grad = view
         pending.clear()
 
+    def forget_plans(self) -> None:
+        for plans in self.plans:
+            plans.clear()
+
     def flush_all(self) -> None:
         for b in range(len(self.pending)):
             self.flush(b)
@@ -156,7 +163,7 @@ class BucketCopies:
 def copy_plan(views: list[torch.Tensor], min_numel: int = 0) -> tuple[list, list]:
     """How to copy into ``views`` (slots of one bucket, in arrival order):
     ``runs``, each ``(span, positions)`` -- a flat view of the bucket over
-    contiguous slots that follow each other with no gap, two or more, at
+    contiguous slots of one storage that follow each other with no gap, two or more, at
     least ``min_numel`` elements together, and the positions of their views
     in slot order -- and ``rest``, the positions left to the foreach copy (a
     slot alone, in a shorter span, or not contiguous)."""
@@ -177,7 +184,8 @@ def copy_plan(views: list[torch.Tensor], min_numel: int = 0) -> tuple[list, list
     for k in order:
         if group:
             last = views[group[-1]]
-            if views[k].storage_offset() != last.storage_offset() + last.numel():
+            if (views[k].storage_offset() != last.storage_offset() + last.numel()
+                    or views[k].untyped_storage().data_ptr() != last.untyped_storage().data_ptr()):
                 close()
         group.append(k)
     close()
@@ -217,3 +225,15 @@ def _all_gather_varying(indices: torch.Tensor, values: torch.Tensor, group) -> t
     collectives.all_gather(all_v, values.contiguous(), group=group)
     return (torch.cat([t[:, :c] for t, c in zip(all_i, counts)], dim=1),
             torch.cat([t[:c] for t, c in zip(all_v, counts)], dim=0))
+
+
+def warn_unused(names: list[str], rank: int) -> None:
+    """One message for the parameters first seen without a gradient in a
+    backward: a warning on rank 0, info elsewhere (ranks usually agree)."""
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    logger.log(logging.WARNING if rank == 0 else logging.INFO,
+               "parameter(s) %s received no gradient in a backward pass; they contribute "
+               "zeros to the all-reduce, as with DDP(find_unused_parameters=True), and are stepped "
+               "with that zero gradient (weight decay and momentum still move them), where DDP "
+               "leaves a parameter that no rank used out of the step. Freeze parameters you do "
+               "not train with requires_grad_(False): they are left out (reported once)", shown)

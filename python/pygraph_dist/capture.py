@@ -145,6 +145,7 @@ class GraphRunner:
             failed = agreement.agreed_failed_buckets(
                 len(self.reducer.buffers), bucket_error.bucket if bucket_error is not None else None,
                 group=self.group, device=self.agree_device)
+            self.reducer.adoption.drop()
             for b in failed:
                 self.reducer.set_eager(b, f"its all-reduce failed capture: {verdict.reason}")
             self.capture_failed(entry, iteration, verdict.reason, bool(failed) or not verdict.final,
@@ -155,7 +156,9 @@ class GraphRunner:
         entry.step_graph = step_graph
         entry.static_result = static_result
         if not self.accept_capture(entry, fingerprint, reserved0, state_version, iteration):
+            self.reducer.adoption.drop()
             return self.run_owned(static)  # did not fit the memory cap
+        self.reducer.commit_adoption()  # world size 1: the graph's gradients are .grad
         with torch.cuda.stream(step.stream):
             self.launch(entry)  # capture records without running: this performs the iteration
         torch.cuda.synchronize(self.device)
@@ -216,6 +219,10 @@ class GraphRunner:
         """Record the iteration: one graph, or forward+backward and step graphs."""
         step = self.step
         if not entry.eager_buckets:
+            # World size 1, no other graph reading the gradient views: this
+            # graph's gradients may become them (grad_adoption.py).
+            if self.reducer.adoption.enabled and not any(e.live for e in self.cache.entries.values()):
+                self.reducer.adoption.begin()
             with self.capturing(graph, pool), self.casts():
                 return step.body(static), None
         self.reducer.defer_eager = True

@@ -9,11 +9,9 @@ plain autograd hooks and c10d calls, so a capture records exactly its kernels:
   and each parameter a view of it (``bucket_layout.py``);
 * each parameter's post-accumulate-grad hook writes ``grad / world_size`` into
   its slot of the bucket's flat buffer (DDP multiplies by 1/world_size while
-  copying, ``Reducer::mark_variable_ready_dense``; same arithmetic), except at
-  world size 1, where there is nothing to divide (x * 1.0 == x) and it copies.
-  (NCCL's ``ReduceOp.AVG`` was tried instead: in tier 1 the hook still has to
-  copy a fresh gradient, so nothing was saved, and for bf16 buckets NCCL
-  multiplies by 1/world_size rounded to bf16, 0.2% off at world size 24.);
+  copying, ``Reducer::mark_variable_ready_dense``; same arithmetic; NCCL's
+  ``ReduceOp.AVG`` rounds 1/world_size to bf16 in bf16 buckets). At world size
+  1 it copies, or a tier-1 capture keeps the gradient (``grad_adoption.py``);
 * a full bucket is all-reduced asynchronously, strictly in bucket order, so
   every rank issues the same collectives in the same order whatever order its
   gradients arrive in (DDP's ``next_bucket_`` rule); NCCL runs it on its own
@@ -28,10 +26,9 @@ plain autograd hooks and c10d calls, so a capture records exactly its kernels:
   stream backward was called from) the remaining buckets are launched and
   the caller's stream waits for every all-reduce.
 
-With ``grad_comm_dtype=torch.bfloat16`` a bucket is sent as a bf16 copy: the
-hook writes ``grad * (1/world_size)`` straight into the bucket's bf16 buffer,
-and the sum is cast back into the fp32 bucket after the all-reduce, on CUDA
-on a side stream while backward goes on (``bucket_comm.py``).
+With ``grad_comm_dtype=torch.bfloat16`` the hook writes ``grad / world_size``
+into a bf16 buffer, cast back into the fp32 bucket after the all-reduce, on a
+side stream while backward goes on (``bucket_comm.py``).
 
 A parameter that produced no gradient in a backward pass contributes zeros to
 its bucket (its slot is cleared), and its ``.grad`` is still set to the
@@ -71,9 +68,10 @@ from torch.autograd import Variable
 
 from . import collectives, kernels
 from ._ext import C
-from .bucket_comm import BucketCopies, CastBack, Join, reduce_sparse
+from .bucket_comm import BucketCopies, CastBack, Join, reduce_sparse, warn_unused
 from .bucket_layout import EAGER, GRAPH, SPARSE, plan_layout
 from .capture_guard import BucketCaptureError
+from .grad_adoption import GradAdoption
 from .spans import timed
 
 logger = logging.getLogger("pygraph_dist")
@@ -122,6 +120,9 @@ class GradientReducer:
         self.eager_reasons: dict[int, str] = {}
         # World size 1: a bucket's copies as one foreach copy (bucket_comm.py).
         self._copies = BucketCopies(len(self.buffers)) if self.world_size == 1 else None
+        # World size 1: a tier-1 graph's gradients become the views (grad_adoption.py).
+        self.adoption = GradAdoption(self.world_size, all(k == GRAPH for k in self.kinds))
+        self.on_views_moved = None  # set by the engine: graphs that read the old views go
         # CUDA cast-backs overlap backward on a stream of their own (made here,
         # not during a capture).
         cuda_comm = [c for c in self.comm if c is not None and c.is_cuda]
@@ -139,14 +140,11 @@ class GradientReducer:
         # buckets are then left for reduce_eager() between the graphs.
         self.defer_eager = False
         self.on_finalize = None  # called after each completed reduction round
-        # Set by the engine around a backward that its own optimizer step
-        # follows directly (tier 1): the end of backward does not wait for the
-        # last graph bucket's all-reduce (the first layers' gradients, ready
-        # only at the very end); it stays the ``tail`` for the step, which
-        # steps every other parameter first (IterationStep.apply_step).
-        # Stepping every bucket as its own all-reduce finished was measured
-        # too: 18 optimizer calls made GPT-2 slower (2xH200, fp32 N=2: 11.66
-        # against 11.43-11.53 ms per iteration).
+        # Set by the engine around a backward its own step follows (tier 1):
+        # the last graph bucket's all-reduce is not waited for here but left
+        # as the ``tail`` for the step, which steps the other parameters first
+        # (IterationStep.apply_step). A step per bucket was slower (GPT-2,
+        # 2xH200 fp32: 11.66 against 11.43-11.53 ms per iteration).
         self.defer_waits = False
         self.tail: tuple[int, object] | None = None  # (bucket, its work)
         # Set while a tier-2 backward graph owns this backward pass: a gradient
@@ -202,6 +200,8 @@ class GradientReducer:
         if any(c is not None for c in self.comm):
             tail += (f"; all-reduced in {str(self.comm_dtype).replace('torch.', '')}"
                      f"{' (casts: Triton kernels)' if self.cast_backend == 'triton' else ''}")
+        if self.adoption.moved:
+            tail += "; world size 1: .grad is the graph's own gradients (no copies)"
         return (
             f"{len(sizes)} buckets, {sum(sizes) / 2**20:.1f} MiB in all "
             f"(largest {max(sizes) / 2**20:.1f} MiB){tail}"
@@ -252,8 +252,9 @@ class GradientReducer:
                     view.mul_(1.0 / self.world_size)  # AccumulateGrad accumulated into the view
             elif divide:
                 torch.mul(grad, 1.0 / self.world_size, out=view)
-            else:  # world size 1: a small one copied with the rest of its bucket, .grad the view then
-                deferred = self._copies.defer(self.bucket_of[index], param, view, grad)
+            else:  # world size 1: kept by an adopting capture, or copied (a small one with its bucket)
+                deferred = (self.adoption.take(index, grad)
+                            or self._copies.defer(self.bucket_of[index], param, view, grad))
         if not grad.is_sparse and grad is not self.views[index] and not deferred:
             # The gradient now lives in its bucket: .grad becomes the view at
             # once (at world size 1, when its bucket is copied), so autograd's
@@ -327,7 +328,8 @@ class GradientReducer:
                 self.tail, works = works[-1], works[:-1]
             for _, work in works:
                 work.wait()  # on the stream backward was called from
-            self.expose_grads()
+            if not self.adoption.end_of_backward(self.params, self.views):
+                self.expose_grads()
             self.last_unused = frozenset(
                 self.names[i] for i, got in enumerate(self._got_grad) if not got and self.params[i].requires_grad
             )
@@ -381,18 +383,9 @@ class GradientReducer:
                 self._all_reduce(b, overlap=False).wait()
 
     def _warn_unused(self) -> None:
-        """One message for the parameters first seen without a gradient in this
-        backward: a warning on rank 0, info elsewhere (ranks usually agree)."""
-        if not self._newly_unused:
-            return
-        names, self._newly_unused = self._newly_unused, []
-        level = logging.WARNING if dist.get_rank(self.group) == 0 else logging.INFO
-        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-        logger.log(level, "parameter(s) %s received no gradient in a backward pass; they contribute "
-                   "zeros to the all-reduce, as with DDP(find_unused_parameters=True), and are stepped "
-                   "with that zero gradient (weight decay and momentum still move them), where DDP "
-                   "leaves a parameter that no rank used out of the step. Freeze parameters you do "
-                   "not train with requires_grad_(False): they are left out (reported once)", shown)
+        if self._newly_unused:
+            names, self._newly_unused = self._newly_unused, []
+            warn_unused(names, dist.get_rank(self.group))
 
     def _clear_missing(self, b: int) -> None:
         for i in self.bucket_params[b]:
@@ -432,6 +425,22 @@ class GradientReducer:
         """Forget a half-done reduction (e.g. after a failed capture): nothing was launched for real."""
         self._reset_round()
         self.tail = None
+        self.adoption.drop()
+
+    def commit_adoption(self) -> None:
+        """An adopting capture was accepted: its gradients become the views
+        (grad_adoption.py), and ``.grad`` the views."""
+        if not self.adoption.commit(self.views):
+            return
+        self._copies.forget_plans()  # their spans are slices of the buffers
+        if self.on_views_moved is not None:
+            self.on_views_moved()
+        self.expose_grads()
+
+    def zero_views(self) -> None:
+        """Every gradient view zeroed: the buffers, or the views once they moved."""
+        tensors = self.views if self.adoption.moved else self.buffers
+        torch._foreach_zero_([t for t in tensors if t is not None])
 
     def take_tail(self) -> tuple[list[int], object] | None:
         """The all-reduce the end of backward left running: (parameter indices

@@ -149,7 +149,7 @@ class SplitGraphs(LaneGraphs):
             return
         if len(missing) == len(trainable):
             if all(params[i].grad is None for i in missing):
-                torch._foreach_zero_([b for b in self.reducer.buffers if b is not None])
+                self.reducer.zero_views()
                 for i in trainable:
                     params[i].grad = views[i]
                 return

@@ -320,3 +320,161 @@ def test_bucket_slots_are_aligned_and_padding_is_zero(monkeypatch, align):
     assert layout.buffers[0].numel() == weight.storage_offset() + 40
     assert torch.count_nonzero(layout.comm[0]) == 0 and torch.count_nonzero(layout.buffers[0]) == 0
     assert layout.comm_views[0].storage_offset() == weight.storage_offset()
+
+
+def adopted_gradients(steps=5, adopt_at=2, unused_at=-1):
+    """World size 1 (grad_adoption.py), on CPU: what an adopting tier-1 capture
+    does to the reducer, driven by hand around an eager backward. At step
+    ``adopt_at`` the backward keeps autograd's gradients as ``.grad`` (no copy
+    into the buckets); the commit re-points every view at them. The steps
+    after it write into the moved views. At ``unused_at`` a parameter gets no
+    gradient during the adopting backward: the gradients are copied into the
+    views instead and nothing moves. Parameters must equal a run without
+    adoption, bitwise."""
+    pgd.init()
+    rank = dist.get_rank()
+    results = {}
+    for adopt in (False, True):
+        torch.manual_seed(0)
+        net = Deep()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        model, opt = pgd.wrap(net, opt, warmup=1, graphs=False, bucket_cap_mb=0.003)
+        reducer = model.engine.reducer
+        log = {"enabled": reducer.adoption.enabled, "kept": None, "moved": None}
+        for step in range(steps):
+            x, y = data(step, rank, batch=8, width=16, classes=4, device="cpu")
+            opt.zero_grad(set_to_none=True)
+            adopting = adopt and step == adopt_at
+            if adopting:
+                reducer.adoption.begin()
+            if step == unused_at:
+                net.body[0].weight.requires_grad_(False)  # no gradient this backward...
+            loss = model(x, y)
+            if step == unused_at:
+                net.body[0].weight.requires_grad_(True)  # ...but still trainable: a missing gradient
+            loss.backward()
+            if adopting:
+                log["kept"] = [p.grad is not v and p.grad is not None for p, v in zip(reducer.params, reducer.views)]
+                grads = [p.grad for p in reducer.params]
+                reducer.commit_adoption()
+                log["moved"] = reducer.adoption.moved
+                log["views_are_grads"] = all(v.data_ptr() == g.data_ptr() for v, g in zip(reducer.views, grads))
+                log["grad_is_view"] = all(p.grad is v for p, v in zip(reducer.params, reducer.views))
+                log["describe"] = reducer.describe()
+            opt.step()
+        log["after_views"] = all(p.grad is v for p, v in zip(reducer.params, reducer.views))
+        log["params"] = [p.detach().clone() for p in net.parameters()]
+        results[adopt] = log
+        pgd.shutdown()
+        pgd.init()
+    same = all(torch.equal(a, b) for a, b in zip(results[False]["params"], results[True]["params"]))
+    for log in results.values():
+        del log["params"]
+    pgd.shutdown()
+    return {"same": same, "off": results[False], "on": results[True]}
+
+
+@pytest.mark.parametrize("unused", [False, True])
+def test_world_size_1_adopts_the_captured_gradients(ranks, unused):
+    (r,) = ranks("test_grad_views:adopted_gradients", world_size=1, timeout=120,
+                 kwargs={"unused_at": 2 if unused else -1})
+    on = r["on"]
+    assert on["enabled"], r
+    assert r["same"], r  # bitwise the training without adoption
+    assert on["after_views"] and r["off"]["after_views"], r
+    if unused:  # copied into the views inside the backward, as without adoption
+        assert on["kept"] == [False] * 12 and on["moved"] is False, on
+        assert on["grad_is_view"], on
+    else:
+        assert on["kept"] == [True] * 12, on
+        assert on["moved"] and on["views_are_grads"] and on["grad_is_view"], on
+        assert ".grad is the graph's own gradients" in on["describe"], on["describe"]
+
+
+def test_adoption_is_off_above_world_size_1_and_by_env(monkeypatch):
+    from pygraph_dist.grad_adoption import GradAdoption
+
+    assert GradAdoption(1, True).enabled
+    assert not GradAdoption(2, True).enabled
+    assert not GradAdoption(1, False).enabled  # a sparse or eager bucket
+    monkeypatch.setenv("PYGRAPH_DIST_ADOPT_GRADS", "0")
+    assert not GradAdoption(1, True).enabled
+
+
+def test_copy_plan_never_spans_two_storages():
+    """After adoption the views are separate tensors: two whose offsets happen
+    to follow each other in different storages must not become one cat."""
+    from pygraph_dist.bucket_comm import copy_plan
+
+    a = torch.zeros(16)
+    b = torch.zeros(32)[16:]  # offset 16 = a's offset + a's numel, another storage
+    runs, rest = copy_plan([b, a])
+    assert runs == [] and rest == [0, 1]
+    buf = torch.zeros(32)
+    runs, rest = copy_plan([buf[16:], buf[:16]])  # one storage: one span
+    assert len(runs) == 1 and rest == []
+
+
+def gpu_adoption(steps=30, reload_at=15):
+    """World size 1 on a GPU, tier 1: the graph's gradients are ``.grad``
+    (grad_adoption.py). Compared with graphs=False and with the copies
+    (PYGRAPH_DIST_ADOPT_GRADS=0): parameters and the last step's ``.grad``
+    bitwise. At ``reload_at`` the optimizer's state is loaded again, which
+    captures again: the second capture adopts its own gradients."""
+    import os
+
+    from common import adamw, gpu_model
+
+    pgd.init()
+    dev = device()
+    out = {}
+    for label, graphs, adopt in (("adopted", True, "1"), ("copies", True, "0"), ("eager", False, "1")):
+        os.environ["PYGRAPH_DIST_ADOPT_GRADS"] = adopt
+        base = gpu_model(0, 0.1)
+        model, opt = pgd.wrap(base, adamw(base.parameters(), "fp32", 1e-3), graphs=graphs, warmup=2)
+        reducer = model.engine.reducer
+        for step in range(steps):
+            x, y = data(step, 0, device=dev)
+            opt.zero_grad(set_to_none=True)
+            model(x, y).backward()
+            opt.step()
+            if step == reload_at:
+                opt.load_state_dict(opt.state_dict())
+        torch.cuda.synchronize()
+        rep = pgd.report().models[-1]
+        in_buffers = 0
+        for p in base.parameters():
+            for b in reducer.buffers:
+                if b is not None and b.data_ptr() <= p.grad.data_ptr() < b.data_ptr() + b.numel() * b.element_size():
+                    in_buffers += 1
+        out[label] = {
+            "params": torch.cat([p.detach().reshape(-1) for p in base.parameters()]).cpu(),
+            "grads": torch.cat([p.grad.reshape(-1) for p in base.parameters()]).cpu(),
+            "phase": rep.graphs[0].phase if rep.graphs else "none", "replays": rep.replays,
+            "captures": len([e for e in rep.events if e["event"] == "captured"]),
+            "buckets": rep.buckets, "in_buffers": in_buffers, "moved": reducer.adoption.moved,
+            "grad_is_view": all(p.grad is v for p, v in zip(reducer.params, reducer.views)),
+        }
+        pgd.shutdown()
+        pgd.init()
+    os.environ.pop("PYGRAPH_DIST_ADOPT_GRADS")
+    ref = out["eager"]
+    res = {k: {f: v for f, v in o.items() if f not in ("params", "grads")} for k, o in out.items()}
+    for k in ("adopted", "copies"):
+        res[k]["params_bitwise"] = bool(torch.equal(out[k]["params"], ref["params"]))
+        res[k]["grads_bitwise"] = bool(torch.equal(out[k]["grads"], ref["grads"]))
+    pgd.shutdown()
+    return res
+
+
+@pytest.mark.gpu
+def test_world_size_1_graph_gradients_are_the_grads_on_gpu(ranks):
+    (r,) = ranks("test_grad_views:gpu_adoption", world_size=1, timeout=300)
+    a, c = r["adopted"], r["copies"]
+    for o in (a, c):
+        assert o["phase"] == "replay" and o["replays"] >= 20 and o["captures"] == 2, o
+        assert o["params_bitwise"] and o["grads_bitwise"], o
+        assert o["grad_is_view"], o
+    assert a["moved"] and a["in_buffers"] == 0, a  # .grad is the graph's memory, not a bucket's
+    assert "no copies" in a["buckets"], a["buckets"]
+    assert not c["moved"] and c["in_buffers"] > 0, c  # the copies: .grad in the buckets

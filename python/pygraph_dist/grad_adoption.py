@@ -1,0 +1,86 @@
+"""World size 1: the gradients a tier-1 graph computes become the bucket views.
+
+At world size 1 nothing is all-reduced: the flat buckets are there so that
+every graph and eager iteration of the model finds the gradients in one
+memory. The hand-written whole-iteration recipe keeps autograd's gradients,
+allocated in the graph's pool, as ``.grad``; copying them into the buckets
+inside the graph cost 47 us of GPU time per step at 502 parameter tensors on
+an H100, 0.75% of the step, and 3 us at 18 (issue 26). So a tier-1 capture at
+world size 1 leaves autograd's gradients where they are (no copy recorded)
+and, once every rank accepted the capture, re-points each bucket view at its
+gradient with ``Tensor.set_``. Every holder of a view -- ``.grad``, the C++
+``ParamWatch``, the reducer -- then sees the graph's memory. From then on each
+view is the gradient the graph writes on every replay; eager iterations and
+later captures copy into the views as before, by the foreach copy (the views
+no longer sit side by side in one buffer). Training is bitwise the same: the
+same values, not copied. The flat buffers stay: the capture recorded the
+world-size-1 all-reduce on them (nothing moves, but NCCL is handed their
+address), so they must outlive the graph; peak reserved memory is the
+recipe's either way, since it keeps its warm-up gradients' memory too.
+
+A capture adopts only where nothing else could read the views it moves: no
+other live graph of the model (the cache's entries; tier 2's clip graph is
+dropped when they move), every trainable parameter got a gradient in the
+captured backward (otherwise the adopted gradients are copied into their
+views inside the capture, as before), dense graph buckets only.
+``PYGRAPH_DIST_ADOPT_GRADS=0`` keeps the copies (an A/B for benchmarks)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+class GradAdoption:
+    __slots__ = ("enabled", "pending", "moved")
+
+    def __init__(self, world_size: int, dense_graph_buckets_only: bool) -> None:
+        self.enabled = (world_size == 1 and dense_graph_buckets_only
+                        and os.environ.get("PYGRAPH_DIST_ADOPT_GRADS", "1") != "0")
+        # Parameter index -> autograd's gradient, during an adopting capture.
+        self.pending: dict[int, torch.Tensor] | None = None
+        self.moved = False  # the views are a graph's gradients, not slices of the buffers
+
+    def begin(self) -> None:
+        """The capture about to record a backward may keep its gradients."""
+        self.pending = {}
+
+    def take(self, index: int, grad: torch.Tensor) -> bool:
+        """From the gradient hook: whether ``grad`` stays ``.grad`` (no copy)."""
+        if self.pending is None:
+            return False
+        self.pending[index] = grad
+        return True
+
+    def end_of_backward(self, params: list, views: list) -> bool:
+        """Whether the captured backward's gradients stay ``.grad`` (every
+        trainable parameter got one); otherwise they are copied into their views
+        now (recorded in the capture) and the views are ``.grad``, as without
+        adoption."""
+        pending = self.pending
+        if pending is None:
+            return False
+        trainable = {i for i, p in enumerate(params) if p.requires_grad and views[i] is not None}
+        if trainable == pending.keys():
+            return True
+        for i, grad in pending.items():
+            views[i].copy_(grad)
+        self.pending = None
+        return False
+
+    def commit(self, views: list) -> bool:
+        """The capture was accepted: each adopted gradient becomes its view's
+        memory. Whether any moved."""
+        pending, self.pending = self.pending, None
+        if not pending:
+            return False
+        with torch.no_grad():
+            for i, grad in pending.items():
+                views[i].set_(grad)
+        self.moved = True
+        return True
+
+    def drop(self) -> None:
+        """A capture that failed or was not accepted: its gradients are not kept."""
+        self.pending = None
