@@ -83,6 +83,14 @@ class GraphRunner:
                 state_version: int):
         """Capture, agree, and perform this iteration (by a first launch, or
         eagerly when the ranks did not agree). Returns ``(loss, outputs)``."""
+        try:
+            return self._capture(entry, args, kwargs, iteration=iteration, state_version=state_version)
+        finally:
+            # Gradients kept by the capture outlive it only once committed
+            # (grad_adoption.py), whatever left it: an error, Ctrl-C.
+            self.reducer.adoption.drop()
+
+    def _capture(self, entry: GraphEntry, args, kwargs, *, iteration: int, state_version: int):
         step = self.step
         static = pytree.tree_map(step.static_copy, step.to_device(args, kwargs))
         entry.static = static

@@ -35,7 +35,9 @@ class EngineState:
 
     def owned_storages(self) -> set[int]:
         """Storages of parameters, gradient buckets, optimizer state and lr tensors."""
+        # The views too: at world size 1 they may be a graph's gradients (grad_adoption.py).
         tensors = list(self.reducer.params) + [b for b in self.reducer.buffers if b is not None]
+        tensors += [v for v in self.reducer.views if v is not None]
         for state in self.optimizer.state.values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
         tensors += [t for t in self.opt_plan.lr_tensors if t is not None]

@@ -22,7 +22,12 @@ A capture adopts only where nothing else could read the views it moves: no
 other live graph of the model (the cache's entries; tier 2's clip graph is
 dropped when they move), every trainable parameter got a gradient in the
 captured backward (otherwise the adopted gradients are copied into their
-views inside the capture, as before), dense graph buckets only.
+views inside the capture, as before), dense graph buckets only. When the
+model's last live graph is released (invalidated, evicted, or dropped by the
+selection), the views go back to their bucket slots, values copied
+(:meth:`GradAdoption.restore`): left in the released graph's pool, they would
+keep its segments reserved, and the next capture would take a second pool
+next to them.
 ``PYGRAPH_DIST_ADOPT_GRADS=0`` keeps the copies (an A/B for benchmarks)."""
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 
 
 class GradAdoption:
-    __slots__ = ("enabled", "pending", "moved")
+    __slots__ = ("enabled", "pending", "moved", "slots")
 
     def __init__(self, world_size: int, dense_graph_buckets_only: bool) -> None:
         self.enabled = (world_size == 1 and dense_graph_buckets_only
@@ -41,6 +46,7 @@ class GradAdoption:
         # Parameter index -> autograd's gradient, during an adopting capture.
         self.pending: dict[int, torch.Tensor] | None = None
         self.moved = False  # the views are a graph's gradients, not slices of the buffers
+        self.slots: dict[int, torch.Tensor] = {}  # index -> the view's bucket slot (an alias)
 
     def begin(self) -> None:
         """The capture about to record a backward may keep its gradients."""
@@ -77,8 +83,26 @@ class GradAdoption:
             return False
         with torch.no_grad():
             for i, grad in pending.items():
+                self.slots.setdefault(i, views[i].detach())  # its own TensorImpl: set_ leaves it
                 views[i].set_(grad)
         self.moved = True
+        return True
+
+    def restore(self, views: list) -> bool:
+        """The views back in their bucket slots, with their values (the graph
+        that wrote them is gone). Whether any moved back."""
+        if not self.moved:
+            return False
+        cuda = any(v.is_cuda for v in self.slots.values())
+        if cuda:
+            torch.cuda.synchronize()  # the last replay may still be writing them; rare
+        with torch.no_grad():
+            for i, slot in self.slots.items():
+                slot.copy_(views[i])
+                views[i].set_(slot)
+        if cuda:
+            torch.cuda.synchronize()  # before any stream writes the slots again
+        self.moved = False
         return True
 
     def drop(self) -> None:

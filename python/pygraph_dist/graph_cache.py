@@ -141,6 +141,7 @@ class GraphCache:
         self.events: list[Event] = []
         self.captured_any = False
         self._pool = None
+        self.on_none_live = None  # called when a release leaves no graph live (wiring.py)
 
     # ------------------------------------------------------------ lookup
     @timed("signature")
@@ -242,6 +243,8 @@ class GraphCache:
         entry.sparse_grads = {}
         entry.static_result = None
         entry.lane_loss, entry.lane_exts, entry.lane_recorder = None, [], None
+        if self.on_none_live is not None and not any(e.live for e in self.entries.values()):
+            self.on_none_live()
 
     def invalidate(self, entry: GraphEntry, iteration: int, reason: str) -> None:
         self.release(entry)

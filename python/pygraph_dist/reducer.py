@@ -428,19 +428,20 @@ class GradientReducer:
         self.adoption.drop()
 
     def commit_adoption(self) -> None:
-        """An adopting capture was accepted: its gradients become the views
-        (grad_adoption.py), and ``.grad`` the views."""
-        if not self.adoption.commit(self.views):
-            return
-        self._copies.forget_plans()  # their spans are slices of the buffers
-        if self.on_views_moved is not None:
-            self.on_views_moved()
-        self.expose_grads()
+        """An accepted capture's gradients become the views, ``.grad`` the views (grad_adoption.py)."""
+        if self.adoption.commit(self.views):
+            self._copies.forget_plans()  # their spans are slices of the buffers
+            if self.on_views_moved is not None:
+                self.on_views_moved()
+            self.expose_grads()
 
-    def zero_views(self) -> None:
-        """Every gradient view zeroed: the buffers, or the views once they moved."""
-        tensors = self.views if self.adoption.moved else self.buffers
-        torch._foreach_zero_([t for t in tensors if t is not None])
+    def restore_views(self) -> None:
+        """No graph of the model is live: adopted views go back to the buckets."""
+        if self.adoption.restore(self.views):
+            self._copies.forget_plans()
+
+    def zero_views(self) -> None:  # the buffers, or the views once they moved
+        torch._foreach_zero_([t for t in (self.views if self.adoption.moved else self.buffers) if t is not None])
 
     def take_tail(self) -> tuple[list[int], object] | None:
         """The all-reduce the end of backward left running: (parameter indices

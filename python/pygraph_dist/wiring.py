@@ -160,6 +160,8 @@ class EngineWiring:
         self.split = SplitGraphs(self.runner, self.loop.backward_finished)
         self.split_clip = SplitClip(self)  # tier 2: the loop's clip_grad_norm_ as a graph
         self.reducer.on_views_moved = self.split_clip.release  # its graph read the old views
+        # Adopted views leave a released graph's pool (not at teardown: nothing trains after it).
+        self.cache.on_none_live = lambda: None if self.closed else self.reducer.restore_views()
         self.accum = LearnedAccumulation(self, enabled=config.learn_accumulation)
         self.evals = EvalGraphs(self)
         # fast_lane.py: zero_grad in one C++ call.

@@ -322,15 +322,18 @@ def test_bucket_slots_are_aligned_and_padding_is_zero(monkeypatch, align):
     assert layout.comm_views[0].storage_offset() == weight.storage_offset()
 
 
-def adopted_gradients(steps=5, adopt_at=2, unused_at=-1):
+def adopted_gradients(steps=6, adopt_at=2, unused_at=-1, restore_at=4):
     """World size 1 (grad_adoption.py), on CPU: what an adopting tier-1 capture
     does to the reducer, driven by hand around an eager backward. At step
     ``adopt_at`` the backward keeps autograd's gradients as ``.grad`` (no copy
     into the buckets); the commit re-points every view at them. The steps
     after it write into the moved views. At ``unused_at`` a parameter gets no
     gradient during the adopting backward: the gradients are copied into the
-    views instead and nothing moves. Parameters must equal a run without
-    adoption, bitwise."""
+    views instead and nothing moves. Before step ``restore_at`` the views go
+    back to their bucket slots (no graph live), values kept. Parameters must
+    equal a run without adoption, bitwise."""
+    from pygraph_dist.monitor import storage_ptr
+
     pgd.init()
     rank = dist.get_rank()
     results = {}
@@ -343,6 +346,13 @@ def adopted_gradients(steps=5, adopt_at=2, unused_at=-1):
         log = {"enabled": reducer.adoption.enabled, "kept": None, "moved": None}
         for step in range(steps):
             x, y = data(step, rank, batch=8, width=16, classes=4, device="cpu")
+            if adopt and step == restore_at:
+                before = [p.grad.clone() for p in reducer.params]
+                reducer.restore_views()
+                log["restored"] = not reducer.adoption.moved and all(
+                    any(b.data_ptr() <= v.data_ptr() < b.data_ptr() + b.numel() * b.element_size()
+                        for b in reducer.buffers) for v in reducer.views)
+                log["restored_values"] = all(torch.equal(x, p.grad) for x, p in zip(before, reducer.params))
             opt.zero_grad(set_to_none=True)
             adopting = adopt and step == adopt_at
             if adopting:
@@ -361,6 +371,8 @@ def adopted_gradients(steps=5, adopt_at=2, unused_at=-1):
                 log["views_are_grads"] = all(v.data_ptr() == g.data_ptr() for v, g in zip(reducer.views, grads))
                 log["grad_is_view"] = all(p.grad is v for p, v in zip(reducer.params, reducer.views))
                 log["describe"] = reducer.describe()
+                owned = model.engine.owned_storages()
+                log["grads_owned"] = all(storage_ptr(g) in owned for g in grads)
             opt.step()
         log["after_views"] = all(p.grad is v for p, v in zip(reducer.params, reducer.views))
         log["params"] = [p.detach().clone() for p in net.parameters()]
@@ -389,6 +401,8 @@ def test_world_size_1_adopts_the_captured_gradients(ranks, unused):
         assert on["kept"] == [True] * 12, on
         assert on["moved"] and on["views_are_grads"] and on["grad_is_view"], on
         assert ".grad is the graph's own gradients" in on["describe"], on["describe"]
+        assert on["grads_owned"], on  # the loop monitor still sees them as the engine's
+        assert on["restored"] and on["restored_values"], on
 
 
 def test_adoption_is_off_above_world_size_1_and_by_env(monkeypatch):
@@ -455,6 +469,13 @@ def gpu_adoption(steps=30, reload_at=15):
             "buckets": rep.buckets, "in_buffers": in_buffers, "moved": reducer.adoption.moved,
             "grad_is_view": all(p.grad is v for p, v in zip(reducer.params, reducer.views)),
         }
+        # No graph live any more: adopted views go back to their bucket slots, values kept.
+        grads = out[label]["grads"]
+        model.engine.cache.release_all("test")
+        out[label]["restored"] = not reducer.adoption.moved and torch.equal(
+            torch.cat([p.grad.reshape(-1) for p in base.parameters()]).cpu(), grads) and all(
+            any(b.data_ptr() <= p.grad.data_ptr() < b.data_ptr() + b.numel() * b.element_size()
+                for b in reducer.buffers) for p in base.parameters())
         pgd.shutdown()
         pgd.init()
     os.environ.pop("PYGRAPH_DIST_ADOPT_GRADS")
@@ -476,5 +497,6 @@ def test_world_size_1_graph_gradients_are_the_grads_on_gpu(ranks):
         assert o["params_bitwise"] and o["grads_bitwise"], o
         assert o["grad_is_view"], o
     assert a["moved"] and a["in_buffers"] == 0, a  # .grad is the graph's memory, not a bucket's
+    assert a["restored"] and c["restored"], r  # no graph left: back in the buckets
     assert "no copies" in a["buckets"], a["buckets"]
     assert not c["moved"] and c["in_buffers"] > 0, c  # the copies: .grad in the buckets
