@@ -118,10 +118,8 @@ class GradientReducer:
         self.views, self.comm_views = layout.views, layout.comm_views  # per parameter
         self.bucket_of = layout.bucket_of
         self.eager_reasons: dict[int, str] = {}
-        # World size 1: a bucket's copies as one foreach copy (bucket_comm.py).
+        # World size 1: a bucket's copies batched (bucket_comm.py), or none (grad_adoption.py).
         self._copies = BucketCopies(len(self.buffers)) if self.world_size == 1 else None
-        # World size 1: a tier-1 graph's gradients become the views (grad_adoption.py).
-        self.adoption = GradAdoption(self.world_size, all(k == GRAPH for k in self.kinds))
         self.on_views_moved = None  # set by the engine: graphs that read the old views go
         # CUDA cast-backs overlap backward on a stream of their own (made here,
         # not during a capture).
@@ -134,7 +132,7 @@ class GradientReducer:
                 self.eager_reasons[b] = "sparse gradient (all-gathered; NCCL has no sparse all-reduce)"
             elif self.names[self.bucket_params[b][0]] in eager:
                 self.set_eager(b, "named in wrap(..., eager_params=...)")
-
+        self.adoption = GradAdoption(self.world_size, not self.eager_buckets)
         self.enabled = True
         # Set by the engine while capturing a segmented iteration: eager
         # buckets are then left for reduce_eager() between the graphs.
@@ -153,11 +151,8 @@ class GradientReducer:
         self.rounds = 0  # completed backward passes
         self.last_unused: frozenset[str] = frozenset()  # params without a gradient, last round
         self._reset_round()
-        self._handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
-            for i, p in enumerate(self.params)
-            if p.requires_grad
-        ]
+        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
+                         for i, p in enumerate(self.params) if p.requires_grad]
         self.unused_warned: set[str] = set()
         self._newly_unused: list[str] = []
         # The per-step checks over every parameter (drift, .grad views) as one
@@ -430,15 +425,18 @@ class GradientReducer:
     def commit_adoption(self) -> None:
         """An accepted capture's gradients become the views, ``.grad`` the views (grad_adoption.py)."""
         if self.adoption.commit(self.views):
-            self._copies.forget_plans()  # their spans are slices of the buffers
-            if self.on_views_moved is not None:
-                self.on_views_moved()
+            self._views_moved()
             self.expose_grads()
 
     def restore_views(self) -> None:
         """No graph of the model is live: adopted views go back to the buckets."""
         if self.adoption.restore(self.views):
-            self._copies.forget_plans()
+            self._views_moved()
+
+    def _views_moved(self) -> None:
+        self._copies.forget_plans()  # spans of where the views were
+        if self.on_views_moved is not None:  # graphs that read them there go (tier 2's clip)
+            self.on_views_moved()
 
     def zero_views(self) -> None:  # the buffers, or the views once they moved
         torch._foreach_zero_([t for t in (self.views if self.adoption.moved else self.buffers) if t is not None])

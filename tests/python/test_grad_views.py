@@ -343,7 +343,14 @@ def adopted_gradients(steps=6, adopt_at=2, unused_at=-1, restore_at=4):
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
         model, opt = pgd.wrap(net, opt, warmup=1, graphs=False, bucket_cap_mb=0.003)
         reducer = model.engine.reducer
-        log = {"enabled": reducer.adoption.enabled, "kept": None, "moved": None}
+        log = {"enabled": reducer.adoption.enabled, "kept": None, "moved": None, "moves": 0}
+        moved_hook = reducer.on_views_moved  # the engine's: tier 2's clip graph goes
+
+        def count_moves(hook=moved_hook, log=log):
+            log["moves"] += 1
+            hook()
+
+        reducer.on_views_moved = count_moves
         for step in range(steps):
             x, y = data(step, rank, batch=8, width=16, classes=4, device="cpu")
             if adopt and step == restore_at:
@@ -403,6 +410,23 @@ def test_world_size_1_adopts_the_captured_gradients(ranks, unused):
         assert ".grad is the graph's own gradients" in on["describe"], on["describe"]
         assert on["grads_owned"], on  # the loop monitor still sees them as the engine's
         assert on["restored"] and on["restored_values"], on
+        assert on["moves"] == 2, on  # commit and restore: graphs that read the old views go
+
+
+def eager_params_keep_the_copies():
+    pgd.init()
+    net = Deep()
+    model, _ = pgd.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), graphs=False,
+                        eager_params=["body.0.weight"])
+    enabled = model.engine.reducer.adoption.enabled
+    pgd.shutdown()
+    return {"enabled": enabled}
+
+
+def test_adoption_is_off_with_a_bucket_outside_the_graph(ranks):
+    """A bucket reduced outside the graph makes every capture segmented: no adoption."""
+    (r,) = ranks("test_grad_views:eager_params_keep_the_copies", world_size=1, timeout=120)
+    assert r["enabled"] is False, r
 
 
 def test_adoption_is_off_above_world_size_1_and_by_env(monkeypatch):
