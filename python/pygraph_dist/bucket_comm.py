@@ -125,15 +125,17 @@ class BucketCopies:
         views = [v for _, v, _ in pending]
         grads = [g for _, _, g in pending]
         # cat(out=) takes contiguous gradients that do not require grad (they
-        # do under backward(create_graph=True)); the foreach copy takes any.
-        if (len(pending) > 1 and self.use_cat and all(g.is_contiguous() for g in grads)
+        # do under backward(create_graph=True)); the foreach copy takes any: a
+        # non-contiguous one (a channels_last weight's) goes to it alone.
+        if (len(pending) > 1 and self.use_cat
                 and not (torch.is_grad_enabled() and any(g.requires_grad for g in grads))):
-            key = tuple(map(id, views))
+            strided = tuple(k for k, g in enumerate(grads) if not g.is_contiguous())
+            key = (tuple(map(id, views)), strided)
             plan = self.plans[b].get(key)
             if plan is None:
                 if len(self.plans[b]) >= 16:  # arrival orders that keep changing: keep the cache small
                     self.plans[b].clear()
-                plan = self.plans[b][key] = copy_plan(views, self.CAT_MIN)
+                plan = self.plans[b][key] = copy_plan(views, self.CAT_MIN, exclude=strided)
             runs, rest = plan
         else:
             runs, rest = (), range(len(pending))
@@ -160,16 +162,18 @@ class BucketCopies:
             pending.clear()
 
 
-def copy_plan(views: list[torch.Tensor], min_numel: int = 0) -> tuple[list, list]:
+def copy_plan(views: list[torch.Tensor], min_numel: int = 0, exclude: tuple[int, ...] = ()) -> tuple[list, list]:
     """How to copy into ``views`` (slots of one bucket, in arrival order):
     ``runs``, each ``(span, positions)`` -- a flat view of the bucket over
     contiguous slots of one storage that follow each other with no gap, two or more, at
     least ``min_numel`` elements together, and the positions of their views
     in slot order -- and ``rest``, the positions left to the foreach copy (a
-    slot alone, in a shorter span, or not contiguous)."""
-    order = sorted((k for k, v in enumerate(views) if v.is_contiguous()), key=lambda k: views[k].storage_offset())
+    slot alone, in a shorter span, not contiguous, or in ``exclude``: its
+    gradient is not)."""
+    fits = [v.is_contiguous() and k not in exclude for k, v in enumerate(views)]
+    order = sorted((k for k, ok in enumerate(fits) if ok), key=lambda k: views[k].storage_offset())
     runs: list = []
-    rest = [k for k, v in enumerate(views) if not v.is_contiguous()]
+    rest = [k for k, ok in enumerate(fits) if not ok]
     group: list[int] = []
 
     def close() -> None:

@@ -524,3 +524,41 @@ def test_world_size_1_graph_gradients_are_the_grads_on_gpu(ranks):
     assert a["restored"] and c["restored"], r  # no graph left: back in the buckets
     assert "no copies" in a["buckets"], a["buckets"]
     assert not c["moved"] and c["in_buffers"] > 0, c  # the copies: .grad in the buckets
+
+
+def test_a_strided_gradient_leaves_only_itself_out_of_the_cat(monkeypatch):
+    """BucketCopies.flush: one gradient that is not contiguous (a channels_last
+    weight's, say) goes to the foreach copy alone; its neighbours' span is
+    still one cat. Before, it sent the whole bucket to the foreach copy. The
+    bucket ends up with exactly the gradients' values, padding untouched."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pygraph_dist.bucket_comm import BucketCopies
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket.__name__)
+            self.ops[name] = self.ops.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.delenv("PYGRAPH_DIST_BUCKET_CAT", raising=False)
+    buf = torch.full((112,), -7.0)
+    views = [buf[0:16], buf[16:48], buf[48:64], buf[64:80].view(4, 4)]  # adjacent slots, one bucket
+    params = [nn.Parameter(torch.zeros(v.shape)) for v in views]
+    grads = [torch.randn(16), torch.randn(32), torch.randn(16), torch.randn(4, 4).t()]  # the last strided
+    assert not grads[3].is_contiguous()
+    monkeypatch.setattr(BucketCopies, "CAT_MIN", 0)
+    copies = BucketCopies(1)
+    for p, v, g in reversed(list(zip(params, views, grads))):  # backward's order
+        assert copies.defer(0, p, v, g)
+    with Count() as c:
+        copies.flush(0)
+    assert c.ops.get("cat", 0) == 1, c.ops  # slots 0-2 as one span
+    assert c.ops.get("copy_", 0) == 1 and c.ops.get("_foreach_copy_", 0) == 0, c.ops  # the strided one alone
+    for p, v, g in zip(params, views, grads):
+        assert p.grad is v and torch.equal(v, g)
+    assert torch.equal(buf[80:], torch.full((32,), -7.0))
