@@ -64,6 +64,23 @@ def test_grad_is_its_bucket_view_as_soon_as_it_is_reduced(ranks, world_size):
         assert r["after"]
 
 
+def count_ops() -> type:
+    """A dispatch mode that counts the ops run under it, by name (``.ops``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket.__name__)
+            self.ops[name] = self.ops.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    return Count
+
+
 class Deep(nn.Module):
     def __init__(self, layers=6):
         super().__init__()
@@ -78,19 +95,9 @@ def bucket_copies_per_backward(steps=3, cap=0.003, small=None, cat_min=0):
     cat per span of adjacent waiting slots, else one foreach copy per bucket
     (bucket_comm.BucketCopies), no per-parameter copy; at world size 1 the
     gradients still equal a model's without the wrapper."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops: dict[str, int] = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = str(func.overloadpacket.__name__)
-            self.ops[name] = self.ops.get(name, 0) + 1
-            return func(*args, **(kwargs or {}))
-
     from pygraph_dist.bucket_comm import BucketCopies
+
+    Count = count_ops()
 
     if small is not None:  # this process's threshold: 16-element biases wait, 256-element weights don't
         BucketCopies.SMALL = small
@@ -531,20 +538,9 @@ def test_a_strided_gradient_leaves_only_itself_out_of_the_cat(monkeypatch):
     weight's, say) goes to the foreach copy alone; its neighbours' span is
     still one cat. Before, it sent the whole bucket to the foreach copy. The
     bucket ends up with exactly the gradients' values, padding untouched."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from pygraph_dist.bucket_comm import BucketCopies
 
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops: dict[str, int] = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = str(func.overloadpacket.__name__)
-            self.ops[name] = self.ops.get(name, 0) + 1
-            return func(*args, **(kwargs or {}))
-
+    Count = count_ops()
     monkeypatch.delenv("PYGRAPH_DIST_BUCKET_CAT", raising=False)
     buf = torch.full((112,), -7.0)
     views = [buf[0:16], buf[16:48], buf[48:64], buf[64:80].view(4, 4)]  # adjacent slots, one bucket
