@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives, kernels
+from .monitor import storage_ptr  # not untyped_storage(): no Python object for a bucket's storage
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -189,18 +190,11 @@ def copy_plan(views: list[torch.Tensor], min_numel: int = 0, exclude: tuple[int,
         if group:
             last = views[group[-1]]
             if (views[k].storage_offset() != last.storage_offset() + last.numel()
-                    or _storage_ptr(views[k]) != _storage_ptr(last)):
+                    or storage_ptr(views[k]) != storage_ptr(last)):
                 close()
         group.append(k)
     close()
     return runs, sorted(rest)
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    """The address of ``t``'s storage, not through ``t.untyped_storage()``: that
-    would give the bucket's storage a Python object (monitor.storage_ptr says why
-    it must not have one)."""
-    return t.data_ptr() - t.storage_offset() * t.element_size()
 
 
 def reduce_sparse(p: torch.Tensor, grad: torch.Tensor | None, world_size: int, group) -> torch.Tensor:
