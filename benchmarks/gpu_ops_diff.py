@@ -15,7 +15,8 @@ A mode ``NAME@VARIANT`` runs NAME with the bucket variables of ``VARIANTS``
 (A/B of the bucket layout in one process: ``pgd_tier1@packed`` is the layout
 before session 41, slots packed back to back and copied by foreach;
 ``@copies`` is session 41's, the gradients copied into the buckets at world
-size 1 rather than kept where the graph computed them).
+size 1 rather than kept where the graph computed them; ``@tensorwise`` the
+graphed clip_grad_norm_ multiplying tensor by tensor, as before session 43).
 
     python benchmarks/gpu_ops_diff.py --layers 8,250 \
         --modes hand,pgd_tier1@copies,pgd_tier1,pgd_tier2@copies,pgd_tier2
@@ -38,11 +39,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-# PYGRAPH_DIST_BUCKET_ALIGN, PYGRAPH_DIST_BUCKET_CAT, PYGRAPH_DIST_ADOPT_GRADS per
-# variant (read at wrap()). "copies": world size 1 copies the gradients into the
-# buckets instead of keeping the graph's (grad_adoption.py; before session 42).
-VARIANTS = {"": ("16", "1", "1"), "packed": ("1", "0", "0"), "foreach": ("16", "0", "0"),
-            "copies": ("16", "1", "0")}
+# PYGRAPH_DIST_BUCKET_ALIGN, PYGRAPH_DIST_BUCKET_CAT, PYGRAPH_DIST_ADOPT_GRADS,
+# PYGRAPH_DIST_CLIP_SPANS per variant (read at wrap() and at the clip's capture).
+# "copies": world size 1 copies the gradients into the buckets instead of keeping
+# the graph's (grad_adoption.py; before session 42). "tensorwise": the graphed
+# clip multiplies tensor by tensor as torch does (clip_route.clip_in_spans;
+# before session 43).
+VARIANTS = {"": ("16", "1", "1", "1"), "packed": ("1", "0", "0", "1"), "foreach": ("16", "0", "0", "1"),
+            "copies": ("16", "1", "0", "1"), "tensorwise": ("16", "1", "1", "0")}
 _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -59,7 +63,7 @@ def profile_mode(label: str, layers: int, dev, batches, *, steps: int, profiled:
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r} in {label!r}; choose from {sorted(VARIANTS)}")
     (os.environ["PYGRAPH_DIST_BUCKET_ALIGN"], os.environ["PYGRAPH_DIST_BUCKET_CAT"],
-     os.environ["PYGRAPH_DIST_ADOPT_GRADS"]) = VARIANTS[variant]
+     os.environ["PYGRAPH_DIST_ADOPT_GRADS"], os.environ["PYGRAPH_DIST_CLIP_SPANS"]) = VARIANTS[variant]
     mode = hc.Mode(name, layers, dev, batches)
     mode.setup()
     try:

@@ -164,7 +164,8 @@ class BucketCopies:
 
 
 def copy_plan(views: list[torch.Tensor], min_numel: int = 0, exclude: tuple[int, ...] = ()) -> tuple[list, list]:
-    """How to copy into ``views`` (slots of one bucket, in arrival order):
+    """How to copy into ``views`` (slots of a bucket, in arrival order; or any
+    gradients, clip_route.clip_in_spans):
     ``runs``, each ``(span, positions)`` -- a flat view of the bucket over
     contiguous slots of one storage that follow each other with no gap, two or more, at
     least ``min_numel`` elements together, and the positions of their views
@@ -172,7 +173,8 @@ def copy_plan(views: list[torch.Tensor], min_numel: int = 0, exclude: tuple[int,
     slot alone, in a shorter span, not contiguous, or in ``exclude``: its
     gradient is not)."""
     fits = [v.is_contiguous() and k not in exclude for k, v in enumerate(views)]
-    order = sorted((k for k, ok in enumerate(fits) if ok), key=lambda k: views[k].storage_offset())
+    order = sorted((k for k, ok in enumerate(fits) if ok),
+                   key=lambda k: (storage_ptr(views[k]), views[k].storage_offset()))
     runs: list = []
     rest = [k for k, ok in enumerate(fits) if not ok]
     group: list[int] = []

@@ -149,7 +149,7 @@ class SplitClip:
             # A pool of its own: the graph lives as long as the model, whatever
             # the tier-2 entries' graphs (and their pool) do.
             with engine.runner.capturing(graph, None):
-                norm = clip_route.ORIGINAL(params, max_norm, 2.0, error_if_nonfinite=False, foreach=foreach)
+                norm = clip_route.clip_in_spans(params, max_norm, foreach)
         except Exception as exc:  # noqa: BLE001 - the clip stays torch's, eager
             self.failed = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             # The generator out of capture mode (the next eager dropout would fail), the

@@ -256,10 +256,10 @@ class IterationStep:
                 if self.grad_scaler is not None:
                     self.grad_scaler.unscale_(self.optimizer)
                 params = [p for p in self.reducer.params if p.grad is not None]
-                norm = clip_route.ORIGINAL(params, self.max_grad_norm)
+                norm = clip_route.clip_in_spans(params, self.max_grad_norm)
                 self.grad_norm.copy_(norm)
             elif routed is not None:  # torch's call as the user wrote it, their parameter order
-                norm = clip_route.ORIGINAL(routed.params, routed.max_norm, foreach=routed.foreach)
+                norm = clip_route.clip_in_spans(routed.params, routed.max_norm, routed.foreach)
                 self.grad_norm.copy_(norm)
             if self.grad_scaler is not None:
                 result = self.grad_scaler.step(self.optimizer)

@@ -128,3 +128,20 @@ def token_data(step, rank, batch=16, seq=6, vocab=200, classes=5, device="cpu"):
     # A narrow range so that rows repeat within and across ranks (duplicate sparse indices).
     tokens = torch.randint(0, vocab // 4, (batch, seq), generator=g)
     return tokens.to(device), torch.randint(0, classes, (batch,), generator=g).to(device)
+
+
+def count_ops() -> type:
+    """A dispatch mode that counts the ops run under it, by name (``.ops``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket.__name__)
+            self.ops[name] = self.ops.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    return Count

@@ -274,3 +274,56 @@ def test_a_tier2_clip_never_captured_is_described_with_its_reasons():
     assert text == ("your clip_grad_norm_ eager between the graphs (3 calls: a mode; 2 calls: a frozen "
                     ".grad; 1 more reason)"), text
     assert clip.eager_calls == 7
+
+
+def _bucket_grads(seed: int, dtype=torch.float32):
+    """Parameters whose gradients lie in one flat buffer as the reducer lays
+    them out -- three back to back, a gap, one alone -- plus a transposed
+    (strided) one, a separate tensor and a parameter without a gradient."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.zeros(64, dtype=dtype)
+    shapes = [((5, 3), 0), ((7,), 15), ((4, 4), 22), ((3, 3), 40)]  # 38..39: a gap
+    params = []
+    for shape, offset in shapes:
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+        n = p.numel()
+        p.grad = buf[offset:offset + n].view(shape)
+        params.append(p)
+    strided = torch.nn.Parameter(torch.zeros(3, 4, dtype=dtype))
+    strided.grad = torch.zeros(4, 3, dtype=dtype).t()
+    alone = torch.nn.Parameter(torch.zeros(6, dtype=dtype))
+    alone.grad = torch.zeros(6, dtype=dtype)
+    params += [strided, alone, torch.nn.Parameter(torch.zeros(2, dtype=dtype))]
+    for p in params[:-1]:
+        p.grad.copy_(torch.randn(p.shape, generator=g) * 10)
+    return params
+
+
+def test_clip_in_spans_is_torchs_clip_bit_for_bit():
+    from common import count_ops
+
+    for max_norm in (1.0, 1e6):  # clipping, and a coefficient clamped to 1
+        for foreach in (None, False):
+            ours, theirs = _bucket_grads(3), _bucket_grads(3)
+            with count_ops()() as counted:
+                norm = clip_route.clip_in_spans(ours, max_norm, foreach)
+            ref = clip_route.ORIGINAL(theirs, max_norm, 2.0, foreach=foreach)
+            assert torch.equal(norm, ref), (max_norm, foreach)
+            for a, b in zip(ours, theirs):
+                assert (a.grad is None) == (b.grad is None)
+                if a.grad is not None:
+                    assert torch.equal(a.grad, b.grad), (max_norm, foreach, a.shape)
+            # The three gradients back to back (0..37) as one tensor, the other
+            # three (after the gap, strided, separate) as they are.
+            assert counted.ops.get("mul_", 0) == (4 if foreach is False else 0), counted.ops
+            assert counted.ops.get("_foreach_mul_", 0) == (0 if foreach is False else 1), counted.ops
+
+
+def test_clip_in_spans_runs_torchs_clip_for_other_dtypes_and_when_switched_off(monkeypatch):
+    calls = []
+    monkeypatch.setattr(clip_route, "ORIGINAL", lambda *a, **k: calls.append(a[1]) or torch.zeros(()))
+    clip_route.clip_in_spans(_bucket_grads(1, torch.bfloat16), 1.0)
+    assert calls == [1.0]
+    monkeypatch.setenv("PYGRAPH_DIST_CLIP_SPANS", "0")
+    clip_route.clip_in_spans(_bucket_grads(1), 2.0)
+    assert calls == [1.0, 2.0]

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import pygraph_dist as pgd
-from common import data, device
+from common import count_ops, data, device
 
 
 class Three(nn.Module):
@@ -62,23 +62,6 @@ def test_grad_is_its_bucket_view_as_soon_as_it_is_reduced(ranks, world_size):
         assert r["seen"], "the first layer's hook never ran"
         assert all(all(step) for step in r["seen"]), r["seen"]
         assert r["after"]
-
-
-def count_ops() -> type:
-    """A dispatch mode that counts the ops run under it, by name (``.ops``)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops: dict[str, int] = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = str(func.overloadpacket.__name__)
-            self.ops[name] = self.ops.get(name, 0) + 1
-            return func(*args, **(kwargs or {}))
-
-    return Count
 
 
 class Deep(nn.Module):
