@@ -152,6 +152,44 @@ def test_one_rank_failing_capture_falls_back_everywhere(ranks):
         assert r["ranks_agree"] and r["losses_finite"]
 
 
+def gpu_mixed_micro_batches(steps=16):
+    """Two micro-batches a step, of 10 and 6 rows, the loss outside the model:
+    tier 2 captures at a step's first model call only, so the 6-row call runs
+    eagerly, accumulating onto the gradients the 10-row call's graphs left.
+    Graphed against graphs=False, bit for bit."""
+    from torch.nn import functional as F
+
+    from common import MLPLogits
+
+    pgd.init()
+    rank = dist.get_rank()
+    dev = device()
+
+    def run(graphs):
+        torch.manual_seed(7)
+        base = MLPLogits(width=32, depth=4, dropout=0.0).to(dev)
+        model, opt = pgd.wrap(base, torch.optim.SGD(base.parameters(), lr=0.1, momentum=0.9), graphs=graphs)
+        for step in range(steps):
+            x, y = data(step, rank, device=dev)
+            opt.zero_grad(set_to_none=True)
+            for part in (slice(0, 10), slice(10, 16)):
+                (F.cross_entropy(model(x[part]), y[part]) * 0.5).backward()
+            opt.step()
+        return flat_params(base), pgd.report()
+
+    graphed, rep = run(True)
+    eager, _ = run(False)
+    return {"bitwise": bool(torch.equal(graphed, eager)), "max_diff": max_diff(graphed, eager),
+            "replays": sum(g.replays for g in rep.models[-1].graphs if g.tier == "2"), "report": str(rep)}
+
+
+@pytest.mark.gpu
+def test_a_micro_batch_of_another_shape_runs_eagerly_between_the_graphs(ranks):
+    (r,) = ranks("test_gpu:gpu_mixed_micro_batches", world_size=1, timeout=300)
+    assert r["replays"] >= 8, r["report"]
+    assert r["bitwise"], f"max |diff| {r['max_diff']}\n{r['report']}"
+
+
 def gpu_exit_with_graphs(out, how="exit"):
     """Leave graphs alive and either exit or destroy the process group directly."""
     pgd.init()
