@@ -19,10 +19,10 @@ graphed per micro-batch (tier 2), its clipping eager between the graphs --
   model's trainable parameters, norm 2, with nothing else unusual, runs as
   written and is recorded instead of counting as a change of gradients. If
   the rest of the loop conforms, the ranks agree on it with the verdict and
-  the step clips inside the graph: torch's own ``clip_grad_norm_``, over the
-  parameters in the order the call passed them, with its ``max_norm`` and
-  ``foreach`` -- the same kernels, so graphed training stays bitwise equal to
-  ``graphs=False``.
+  the step clips inside the graph (:func:`clip_in_spans`): torch's norm over
+  the parameters in the order the call passed them, with its ``max_norm`` and
+  ``foreach``, and the multiply over the buckets' spans -- the same value for
+  every element, so graphed training stays bitwise equal to ``graphs=False``.
 * In an iteration the engine ran (tier 1), the call returns what torch's
   would: the total norm before clipping, computed by the step that already
   ran. A different ``max_norm``, parameter list or norm then is a changed

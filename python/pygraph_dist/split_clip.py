@@ -13,9 +13,10 @@ parameter count (a norm per gradient, each moved and stacked, then a foreach
 multiply): 0.6 ms per step at 18 parameter tensors on an H200 host, 5 ms at
 500 (issue 26). The gradients of a tier-2 step are always the same tensors
 (the reducer's bucket views), so the call can be a graph: the first call that
-:func:`~pygraph_dist.clip_route.routable` accepts is captured -- torch's own
-``clip_grad_norm_`` with the call's parameters, ``max_norm`` and ``foreach``,
-the same kernels, so training stays bitwise equal to ``graphs=False`` -- and
+:func:`~pygraph_dist.clip_route.routable` accepts is captured --
+:func:`~pygraph_dist.clip_route.clip_in_spans` with the call's parameters,
+``max_norm`` and ``foreach``: torch's norm, its multiply over the buckets'
+spans, bitwise equal to ``graphs=False`` -- and
 every later identical call replays it and returns a copy of its norm, as
 torch returns a fresh tensor.
 
