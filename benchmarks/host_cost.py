@@ -540,6 +540,11 @@ def parameters_us(model, n: int = 200) -> float:
 
 
 # ============================================================ output
+# Issue 26's bars in wall time: a mode's allowance over the hand recipe, as
+# (mode it is measured from, allowance in us); the hand recipe's own row is 0.
+WALL_BARS = {"pgd_tier1": ("hand", 15.0), "pgd_tier2": ("pgd_tier1", 150.0), "pgd_clip": ("pgd_tier1", 250.0)}
+
+
 def add_deltas(rows: list[dict]) -> None:
     ref = {(r["layers"], r["mode"]): r for r in rows if r["status"] == "ok"}
     for r in rows:
@@ -555,6 +560,11 @@ def add_deltas(rows: list[dict]) -> None:
         floor = ref.get((r["layers"], "hand_tier2"))  # what a loss-outside loop pays anyway
         if floor is not None and r["mode"] in ("pgd_tier2", "pgd_tier2_eager_loss", "pgd_clip", "pgd_accum4"):
             r["host_vs_floor_us"] = r["host_us"] - floor["host_us"]
+        bar = WALL_BARS.get(r["mode"])
+        base = ref.get((r["layers"], bar[0])) if bar is not None else None
+        if hand is not None and base is not None:  # issue 26's bar, in wall time
+            r["wall_bar_us"] = (base["wall_ms"] - hand["wall_ms"]) * 1e3 + bar[1]
+            r["wall_bar_met"] = r["wall_vs_hand_ms"] * 1e3 <= r["wall_bar_us"]
 
 
 def table(rows: list[dict], env: dict) -> str:
@@ -573,6 +583,12 @@ def table(rows: list[dict], env: dict) -> str:
                      f"{str(r.get('tier', '')):>4} "
                      f"{str(r.get('phase', '')):<7} {fmt(r.get('gpu_ops'), '>8.0f'):>8} "
                      f"{fmt(r.get('gpu_ops_us'), '>8.1f'):>8}")
+    barred = [r for r in rows if "wall_bar_us" in r]
+    if barred:
+        lines.append("issue 26's bars, wall us over the hand recipe (tier 1 <= +15; tier 2 <= tier 1 + 150; "
+                     "tier 2 + clip <= tier 1 + 250): " + ", ".join(
+                         f"{r['mode']}/{r['params']} {r['wall_vs_hand_ms'] * 1e3:+.0f} "
+                         f"{'<=' if r['wall_bar_met'] else '>'} {r['wall_bar_us']:.0f}" for r in barred))
     own = [r for r in rows if r.get("parameters_us") is not None]
     if own:
         lines.append("the clip modes' model.parameters() walked, as eager and DDP pay it every step "
@@ -603,6 +619,8 @@ def table(rows: list[dict], env: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> Path | None:
+    """Top row: host time per step by phase; bottom row (when the hand recipe
+    ran): wall time per step over the hand recipe's, with issue 26's bars."""
     try:
         import matplotlib
 
@@ -614,7 +632,9 @@ def plot(result: dict, path: Path) -> Path | None:
     sizes = sorted({r["layers"] for r in rows})
     phases = list(PHASES)
     cmap = plt.get_cmap("tab20")
-    fig, axes = plt.subplots(1, len(sizes), figsize=(max(10.0, 5.5 * len(sizes)), 5.5), squeeze=False)
+    walls = any(r["mode"] == "hand" for r in rows)
+    fig, axes = plt.subplots(2 if walls else 1, len(sizes), squeeze=False,
+                             figsize=(max(10.0, 5.5 * len(sizes)), 9.5 if walls else 5.5))
     for ax, layers in zip(axes[0], sizes):
         rs = [r for r in rows if r["layers"] == layers]
         xs = range(len(rs))
@@ -634,6 +654,9 @@ def plot(result: dict, path: Path) -> Path | None:
         ax.set_xticks(list(xs), [r["mode"] for r in rs], rotation=30, ha="right")
         ax.set_title(f"{layers} layers ({rs[0].get('params', '?')} parameter tensors)")
         ax.set_ylabel("host us per step")
+    if walls:
+        for ax, layers in zip(axes[1], sizes):
+            _wall_panel(ax, [r for r in rows if r["layers"] == layers])
     handles, labels = [], []
     for ax in axes[0]:
         h, lab = ax.get_legend_handles_labels()
@@ -641,14 +664,36 @@ def plot(result: dict, path: Path) -> Path | None:
             if ll not in labels:
                 handles.append(hh)
                 labels.append(ll)
-    fig.legend(handles, labels, loc="upper center", ncol=min(6, max(1, len(labels))), fontsize=7)
-    fig.suptitle("host time per step: bars = phases (spans on; grey = not broken down), "
-                 "black line = spans off", y=0.02, fontsize=8)
-    fig.tight_layout(rect=(0, 0.04, 1, 0.88))
+    if handles:
+        fig.legend(handles, labels, loc="upper center", ncol=min(6, max(1, len(labels))), fontsize=7)
+    fig.suptitle("top: host time per step, bars = phases (spans on; grey = not broken down), black line = spans off"
+                 + ("; bottom: wall time over the hand recipe, dashes = issue 26's bar" if walls else ""),
+                 y=0.01, fontsize=8)
+    fig.tight_layout(rect=(0, 0.03, 1, 0.9 if handles else 0.98))
     out = path.with_suffix(".png")
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _wall_panel(ax, rs: list[dict]) -> None:
+    """Wall us per step over the hand recipe's, one bar per mode; a mode with a
+    bar in WALL_BARS (add_deltas: ``wall_bar_us``) is green within it, red over
+    it, the bar drawn as a dash."""
+    hand = next(r["wall_ms"] for r in rs if r["mode"] == "hand") * 1e3
+    others = [r for r in rs if r["mode"] != "hand"]
+    names = [r["mode"] for r in others]
+    for x, r in enumerate(others):
+        delta = r["wall_ms"] * 1e3 - hand
+        color = "0.6"
+        if "wall_bar_us" in r:  # add_deltas
+            color = "tab:green" if r["wall_bar_met"] else "tab:red"
+            ax.plot([x - 0.4, x + 0.4], [r["wall_bar_us"]] * 2, color="k", lw=1.2, ls="--")
+        ax.bar(x, delta, color=color, width=0.7)
+        ax.annotate(f"{delta:+.0f}", (x, max(delta, 0.0)), ha="center", va="bottom", fontsize=7)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(list(range(len(names))), names, rotation=30, ha="right")
+    ax.set_ylabel("wall us per step over the hand recipe")
 
 
 def environment(args) -> dict:

@@ -199,3 +199,30 @@ def test_host_cost_ab_interleaves_blocks_of_two_long_lived_workers(tmp_path):
         assert len(e["paired_diffs_us"]) == 4 and e["base_p50_us"] > 0 and e["this_p50_us"] > 0, e
     assert "4 blocks of 3 steps interleaved" in (tmp_path / "ab.txt").read_text()
     assert "modes set up" in p.stderr  # once per side, not per block
+
+
+def test_the_issues_wall_bars_are_judged_per_model_size():
+    """add_deltas: each barred mode's wall time over the hand recipe against
+    issue 26's bar (tier 2's and the clip's measured from tier 1's), and the
+    table says which rows meet it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import host_cost as hc
+
+    def row(mode, layers, wall_ms):
+        return {"mode": mode, "layers": layers, "params": 2 * layers + 2, "wall_ms": wall_ms, "host_us": 10.0,
+                "host_p50_us": 10.0, "status": "ok"}
+
+    rows = [row("hand", 8, 0.200), row("pgd_tier1", 8, 0.210), row("pgd_tier2", 8, 0.365),
+            row("pgd_clip", 8, 0.455), row("hand", 250, 6.0), row("pgd_tier1", 250, 6.020),
+            row("pgd_clip", 250, 6.200), row("hand_tier2", 250, 6.1)]
+    hc.add_deltas(rows)
+    by = {(r["mode"], r["layers"]): r for r in rows}
+    assert by["pgd_tier1", 8]["wall_bar_us"] == pytest.approx(15.0) and by["pgd_tier1", 8]["wall_bar_met"]
+    assert by["pgd_tier2", 8]["wall_bar_us"] == pytest.approx(160.0)  # tier 1's +10, then 150
+    assert not by["pgd_tier2", 8]["wall_bar_met"]  # +165
+    assert by["pgd_clip", 8]["wall_bar_met"]  # +255 <= 260
+    assert not by["pgd_tier1", 250]["wall_bar_met"]  # +20 > 15
+    assert by["pgd_clip", 250]["wall_bar_met"]
+    assert "wall_bar_us" not in by["hand_tier2", 250] and "wall_bar_us" not in by["hand", 8]
+    text = hc.table(rows, {"device": "test", "torch": "x", "steps": 1, "warmup": 0})
+    assert "pgd_tier2/18 +165 > 160" in text and "pgd_tier1/502 +20 > 15" in text, text
