@@ -172,7 +172,8 @@ def copy_plan(views: list[torch.Tensor], min_numel: int = 0, exclude: tuple[int,
     in slot order -- and ``rest``, the positions left to the foreach copy (a
     slot alone, in a shorter span, not contiguous, or in ``exclude``: its
     gradient is not)."""
-    fits = [v.is_contiguous() and k not in exclude for k, v in enumerate(views)]
+    # A tensor without a data pointer (storage_ptr -1) has no storage to join on.
+    fits = [v.is_contiguous() and k not in exclude and storage_ptr(v) > 0 for k, v in enumerate(views)]
     order = sorted((k for k, ok in enumerate(fits) if ok),
                    key=lambda k: (storage_ptr(views[k]), views[k].storage_offset()))
     runs: list = []

@@ -74,7 +74,7 @@ ORIGINAL = torch.nn.utils.clip_grad_norm_
 _TOTAL_NORM = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
 
 
-def clip_in_spans(params, max_norm: float, foreach: bool | None = None) -> torch.Tensor:
+def clip_in_spans(params, max_norm: float, foreach: bool | None = None, *, spans: bool | None = None) -> torch.Tensor:
     """torch's ``clip_grad_norm_(params, max_norm, 2.0, foreach=foreach)``, with the
     multiplication by the clip coefficient run over flat spans of the gradient
     buckets instead of tensor by tensor; what the step graphs clip with.
@@ -84,15 +84,23 @@ def clip_in_spans(params, max_norm: float, foreach: bool | None = None) -> torch
     gradient element is then multiplied by that one float32 number, which gives
     the same bits whichever kernel does it; but the foreach kernel packs at most
     ~110 tensors into a launch, one block per 64K elements, and leaves most of the
-    GPU idle on models with a few hundred large tensors (96 us against ~45 for
-    the same 64 MB as a few long tensors; issue 26, session 43). Gradients that sit
-    back to back in a bucket (``copy_plan``) go to the same kernel as one
-    tensor, the rest as they are. Anything but float32 gradients on one device
-    runs torch's function unchanged."""
+    GPU idle on models with a few hundred large tensors (96 us against ~42 for
+    the same 64 MB as a few long tensors; issue 26, session 43). Gradients that
+    sit back to back in a bucket (``copy_plan``) go to the same kernel as one
+    tensor, the rest as they are.
+
+    ``spans`` None: only while a CUDA graph is being captured, where finding the
+    spans (~1 us a gradient on the host) is paid once; an eager step runs
+    torch's function, the same values. Anything but plain float32 strided
+    gradients on one device runs torch's function too."""
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
     grads = [p.grad for p in params if p.grad is not None]
+    if spans is None:
+        spans = bool(grads) and grads[0].is_cuda and torch.cuda.is_current_stream_capturing()
     # PYGRAPH_DIST_CLIP_SPANS=0 (A/B in benchmarks): torch's multiply, tensor by tensor.
-    if (os.environ.get("PYGRAPH_DIST_CLIP_SPANS") == "0" or _TOTAL_NORM is None or len(grads) < 2
-            or any(g.dtype != torch.float32 or g.device != grads[0].device or g.is_sparse for g in grads)):
+    if (not spans or os.environ.get("PYGRAPH_DIST_CLIP_SPANS") == "0" or _TOTAL_NORM is None or len(grads) < 2
+            or any(type(g) is not torch.Tensor or g.layout != torch.strided or g.dtype != torch.float32
+                   or g.device != grads[0].device for g in grads)):
         return ORIGINAL(params, max_norm, 2.0, error_if_nonfinite=False, foreach=foreach)
     from .bucket_comm import copy_plan  # bucket_comm imports the collectives; not at import time
 

@@ -277,17 +277,18 @@ def test_a_tier2_clip_never_captured_is_described_with_its_reasons():
 
 
 def _bucket_grads(seed: int, dtype=torch.float32):
-    """Parameters whose gradients lie in one flat buffer as the reducer lays
-    them out -- three back to back, a gap, one alone -- plus a transposed
-    (strided) one, a separate tensor and a parameter without a gradient."""
+    """Parameters whose gradients lie in flat buffers as the reducer lays them
+    out -- three back to back in one, a gap, one alone after it; two more back
+    to back in a second buffer, listed between the first buffer's -- plus a
+    transposed (strided) one, a separate tensor and a parameter without a
+    gradient. The buffers hold a sentinel (7) wherever no gradient is."""
     g = torch.Generator().manual_seed(seed)
-    buf = torch.zeros(64, dtype=dtype)
-    shapes = [((5, 3), 0), ((7,), 15), ((4, 4), 22), ((3, 3), 40)]  # 38..39: a gap
+    bufs = [torch.full((64,), 7.0, dtype=dtype), torch.full((32,), 7.0, dtype=dtype)]
+    layout = [((5, 3), 0, 0), ((7,), 0, 15), ((4, 2), 1, 0), ((4, 4), 0, 22), ((6,), 1, 8), ((3, 3), 0, 40)]
     params = []
-    for shape, offset in shapes:
+    for shape, b, offset in layout:  # 38..39 and 49..: the sentinel
         p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
-        n = p.numel()
-        p.grad = buf[offset:offset + n].view(shape)
+        p.grad = bufs[b][offset:offset + p.numel()].view(shape)
         params.append(p)
     strided = torch.nn.Parameter(torch.zeros(3, 4, dtype=dtype))
     strided.grad = torch.zeros(4, 3, dtype=dtype).t()
@@ -296,7 +297,7 @@ def _bucket_grads(seed: int, dtype=torch.float32):
     params += [strided, alone, torch.nn.Parameter(torch.zeros(2, dtype=dtype))]
     for p in params[:-1]:
         p.grad.copy_(torch.randn(p.shape, generator=g) * 10)
-    return params
+    return params, bufs
 
 
 def test_clip_in_spans_is_torchs_clip_bit_for_bit():
@@ -304,26 +305,46 @@ def test_clip_in_spans_is_torchs_clip_bit_for_bit():
 
     for max_norm in (1.0, 1e6):  # clipping, and a coefficient clamped to 1
         for foreach in (None, False):
-            ours, theirs = _bucket_grads(3), _bucket_grads(3)
+            (ours, bufs), (theirs, _) = _bucket_grads(3), _bucket_grads(3)
             with count_ops()() as counted:
-                norm = clip_route.clip_in_spans(ours, max_norm, foreach)
+                norm = clip_route.clip_in_spans(ours, max_norm, foreach, spans=True)
             ref = clip_route.ORIGINAL(theirs, max_norm, 2.0, foreach=foreach)
             assert torch.equal(norm, ref), (max_norm, foreach)
             for a, b in zip(ours, theirs):
                 assert (a.grad is None) == (b.grad is None)
                 if a.grad is not None:
                     assert torch.equal(a.grad, b.grad), (max_norm, foreach, a.shape)
-            # The three gradients back to back (0..37) as one tensor, the other
-            # three (after the gap, strided, separate) as they are.
-            assert counted.ops.get("mul_", 0) == (4 if foreach is False else 0), counted.ops
+            # What is no gradient's is left alone: the gap and the buffers' tails.
+            assert bufs[0][38:40].eq(7).all() and bufs[0][49:].eq(7).all() and bufs[1][14:].eq(7).all()
+            # Each buffer's gradients back to back as one tensor (3 and 2 of them),
+            # the other three (after the gap, strided, separate) as they are.
+            assert counted.ops.get("mul_", 0) == (5 if foreach is False else 0), counted.ops
             assert counted.ops.get("_foreach_mul_", 0) == (0 if foreach is False else 1), counted.ops
 
 
-def test_clip_in_spans_runs_torchs_clip_for_other_dtypes_and_when_switched_off(monkeypatch):
+def test_clip_in_spans_runs_torchs_clip_where_spans_do_not_apply(monkeypatch):
     calls = []
     monkeypatch.setattr(clip_route, "ORIGINAL", lambda *a, **k: calls.append(a[1]) or torch.zeros(()))
-    clip_route.clip_in_spans(_bucket_grads(1, torch.bfloat16), 1.0)
-    assert calls == [1.0]
+    clip_route.clip_in_spans(_bucket_grads(1, torch.bfloat16)[0], 1.0, spans=True)  # not float32
+    clip_route.clip_in_spans(_bucket_grads(1)[0], 2.0)  # eager (no capture): torch's, the same values
+
+    class Sub(torch.Tensor):
+        pass
+
+    params = _bucket_grads(1)[0]
+    params[0].grad = params[0].grad.as_subclass(Sub)
+    clip_route.clip_in_spans(params, 3.0, spans=True)  # a tensor subclass
     monkeypatch.setenv("PYGRAPH_DIST_CLIP_SPANS", "0")
-    clip_route.clip_in_spans(_bucket_grads(1), 2.0)
-    assert calls == [1.0, 2.0]
+    clip_route.clip_in_spans(_bucket_grads(1)[0], 4.0, spans=True)
+    assert calls == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_clip_in_spans_takes_a_generator_or_a_tensor_as_torch_does():
+    ours, theirs = _bucket_grads(5)[0], _bucket_grads(5)[0]
+    norm = clip_route.clip_in_spans((p for p in ours), 1.0, spans=True)
+    assert torch.equal(norm, clip_route.ORIGINAL(theirs, 1.0)), "a generator is read once"
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours[:-1], theirs[:-1]))
+    one = _bucket_grads(6)[0][0]
+    ref = _bucket_grads(6)[0][0]
+    assert torch.equal(clip_route.clip_in_spans(one, 1.0, spans=True), clip_route.ORIGINAL(ref, 1.0))
+    assert torch.equal(one.grad, ref.grad)
