@@ -179,14 +179,17 @@ def gpu_mixed_micro_batches(steps=16):
 
     graphed, rep = run(True)
     eager, _ = run(False)
+    graphs = rep.models[-1].graphs
     return {"bitwise": bool(torch.equal(graphed, eager)), "max_diff": max_diff(graphed, eager),
-            "replays": sum(g.replays for g in rep.models[-1].graphs if g.tier == "2"), "report": str(rep)}
+            "replays": sum(g.replays for g in graphs if g.tier == "2"),
+            "replayed_signatures": sum(1 for g in graphs if g.replays > 0), "report": str(rep)}
 
 
 @pytest.mark.gpu
 def test_a_micro_batch_of_another_shape_runs_eagerly_between_the_graphs(ranks):
     (r,) = ranks("test_gpu:gpu_mixed_micro_batches", world_size=1, timeout=300)
     assert r["replays"] >= 8, r["report"]
+    assert r["replayed_signatures"] == 1, r["report"]  # the 10-row call's; the 6-row call eager
     assert r["bitwise"], f"max |diff| {r['max_diff']}\n{r['report']}"
 
 
