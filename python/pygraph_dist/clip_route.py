@@ -90,7 +90,7 @@ def clip_in_spans(params, max_norm: float, foreach: bool | None = None, *, spans
     tensor, the rest as they are.
 
     ``spans`` None: only while a CUDA graph is being captured, where finding the
-    spans (~1 us a gradient on the host) is paid once; an eager step runs
+    spans (1.8 ms at 502 gradients on a slow host) is paid once; an eager step runs
     torch's function, the same values. Anything but plain float32 strided
     gradients on one device runs torch's function too."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
