@@ -172,10 +172,10 @@ def copy_plan(views: list[torch.Tensor], min_numel: int = 0, exclude: tuple[int,
     in slot order -- and ``rest``, the positions left to the foreach copy (a
     slot alone, in a shorter span, not contiguous, or in ``exclude``: its
     gradient is not)."""
+    ptrs = [storage_ptr(v) for v in views]
     # A tensor without a data pointer (storage_ptr -1) has no storage to join on.
-    fits = [v.is_contiguous() and k not in exclude and storage_ptr(v) > 0 for k, v in enumerate(views)]
-    order = sorted((k for k, ok in enumerate(fits) if ok),
-                   key=lambda k: (storage_ptr(views[k]), views[k].storage_offset()))
+    fits = [v.is_contiguous() and k not in exclude and ptrs[k] > 0 for k, v in enumerate(views)]
+    order = sorted((k for k, ok in enumerate(fits) if ok), key=lambda k: (ptrs[k], views[k].storage_offset()))
     runs: list = []
     rest = [k for k, ok in enumerate(fits) if not ok]
     group: list[int] = []
@@ -193,7 +193,7 @@ def copy_plan(views: list[torch.Tensor], min_numel: int = 0, exclude: tuple[int,
         if group:
             last = views[group[-1]]
             if (views[k].storage_offset() != last.storage_offset() + last.numel()
-                    or storage_ptr(views[k]) != storage_ptr(last)):
+                    or ptrs[k] != ptrs[group[-1]]):
                 close()
         group.append(k)
     close()

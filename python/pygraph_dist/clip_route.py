@@ -68,10 +68,13 @@ import zlib
 import torch
 
 from . import lifetime
+from .bucket_comm import copy_plan
 
 # torch's functions, as they were before install(); the step calls these.
 ORIGINAL = torch.nn.utils.clip_grad_norm_
 _TOTAL_NORM = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+_MODULES = (torch.nn.utils, torch.nn.utils.clip_grad)
+_installed = False
 
 
 def clip_in_spans(params, max_norm: float, foreach: bool | None = None, *, spans: bool | None = None) -> torch.Tensor:
@@ -102,8 +105,6 @@ def clip_in_spans(params, max_norm: float, foreach: bool | None = None, *, spans
             or any(type(g) is not torch.Tensor or g.layout != torch.strided or g.dtype != torch.float32
                    or g.device != grads[0].device for g in grads)):
         return ORIGINAL(params, max_norm, 2.0, error_if_nonfinite=False, foreach=foreach)
-    from .bucket_comm import copy_plan  # bucket_comm imports the collectives; not at import time
-
     with torch.no_grad():
         norm = _TOTAL_NORM(grads, 2.0, False, foreach)
         coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)  # torch's expression, its kernels
@@ -115,8 +116,7 @@ def clip_in_spans(params, max_norm: float, foreach: bool | None = None, *, spans
         else:  # torch's foreach kernel (vectorised; an elementwise one would broadcast coef)
             torch._foreach_mul_(tensors, coef)
     return norm
-_MODULES = (torch.nn.utils, torch.nn.utils.clip_grad)
-_installed = False
+
 
 
 @dataclasses.dataclass(frozen=True)

@@ -357,8 +357,6 @@ def test_clip_in_spans_captured_on_a_gpu_is_torchs_clip_bit_for_bit(monkeypatch)
     buckets with gaps, some large enough for the foreach kernel to split them
     over launches, against torch's clip run eagerly on copies -- the norm and
     every gradient bit for bit, the gaps untouched."""
-    from pygraph_dist import bucket_comm
-
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(11)
     bufs = [torch.full((1 << 20,), 7.0, device=dev) for _ in range(3)]
@@ -377,8 +375,8 @@ def test_clip_in_spans_captured_on_a_gpu_is_torchs_clip_bit_for_bit(monkeypatch)
     for a, b in zip(theirs, params):
         a.grad = b.grad.clone()
     plans = []
-    real = bucket_comm.copy_plan
-    monkeypatch.setattr(bucket_comm, "copy_plan", lambda *a, **k: plans.append(1) or real(*a, **k))
+    real = clip_route.copy_plan
+    monkeypatch.setattr(clip_route, "copy_plan", lambda *a, **k: plans.append(1) or real(*a, **k))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
