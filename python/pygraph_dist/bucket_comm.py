@@ -59,6 +59,19 @@ class CastBack:
         return True
 
 
+class Done:
+    """The all-reduce of a bucket at world size 1, which issues nothing: the
+    bucket already holds the sum over the one rank."""
+
+    __slots__ = ()
+
+    def wait(self):
+        return True
+
+
+DONE = Done()
+
+
 class Join:
     """An overlapped cast-back: ``wait()`` makes the waiting stream wait for this
     bucket's cast-back on the side stream (an event recorded right after it)."""

@@ -15,7 +15,9 @@ plain autograd hooks and c10d calls, so a capture records exactly its kernels:
 * a full bucket is all-reduced asynchronously, strictly in bucket order, so
   every rank issues the same collectives in the same order whatever order its
   gradients arrive in (DDP's ``next_bucket_`` rule); NCCL runs it on its own
-  stream, overlapped with the rest of backward;
+  stream, overlapped with the rest of backward. At world size 1 nothing is
+  issued: the bucket is its own sum, and an empty collective still forks the
+  graph (``PYGRAPH_DIST_SOLO_ALLREDUCE=1`` issues it, for A/B);
 * once its gradient is in the bucket, each ``param.grad`` becomes a view
   into its bucket (DDP's ``gradient_as_bucket_view``): no copy back, every
   graph of the model shares the same gradient memory, and autograd's fresh
@@ -41,11 +43,10 @@ the optimizer skips it, as with DDP; graphs are captured again when a
 parameter is frozen or unfrozen (``graph_cache.drift``).
 
 Buckets that leave the graph ("eager buckets") are reduced *after* every
-graph bucket, in bucket order, at the end of backward — in eager iterations
-by the end-of-backward callback itself, in segmented graphs between the
-forward/backward graph and the step graph (``reduce_eager``). The rule is
-the same in every mode, so collectives run in the same order on every rank
-and eager and graphed training do the same arithmetic. Two kinds:
+graph bucket, in bucket order, at the end of backward: in eager iterations by
+the end-of-backward callback, in segmented graphs between the forward/backward
+graph and the step graph (``reduce_eager``). The rule is the same in every
+mode, so every rank runs the same collectives in the same order. Two kinds:
 
 * ``sparse``: the weight of ``nn.Embedding``/``nn.EmbeddingBag(sparse=True)``
   (planned alone, like DDP's ``expect_sparse_gradient``). Its gradient's
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Collection, Sequence
 
 import torch
@@ -68,7 +70,7 @@ from torch.autograd import Variable
 
 from . import collectives, kernels
 from ._ext import C
-from .bucket_comm import BucketCopies, CastBack, Join, reduce_sparse, warn_unused
+from .bucket_comm import DONE, BucketCopies, CastBack, Join, reduce_sparse, warn_unused
 from .bucket_layout import EAGER, GRAPH, SPARSE, plan_layout
 from .capture_guard import BucketCaptureError
 from .grad_adoption import GradAdoption
@@ -120,6 +122,7 @@ class GradientReducer:
         self.eager_reasons: dict[int, str] = {}
         # World size 1: a bucket's copies batched (bucket_comm.py), or none (grad_adoption.py).
         self._copies = BucketCopies(len(self.buffers)) if self.world_size == 1 else None
+        self._solo = self.world_size == 1 and os.environ.get("PYGRAPH_DIST_SOLO_ALLREDUCE", "0") != "1"
         self.on_views_moved = None  # set by the engine: graphs that read the old views go
         # CUDA cast-backs overlap backward on a stream of their own (made here,
         # not during a capture).
@@ -138,11 +141,10 @@ class GradientReducer:
         # buckets are then left for reduce_eager() between the graphs.
         self.defer_eager = False
         self.on_finalize = None  # called after each completed reduction round
-        # Set by the engine around a backward its own step follows (tier 1):
-        # the last graph bucket's all-reduce is not waited for here but left
-        # as the ``tail`` for the step, which steps the other parameters first
-        # (IterationStep.apply_step). A step per bucket was slower (GPT-2,
-        # 2xH200 fp32: 11.66 against 11.43-11.53 ms per iteration).
+        # Set by the engine around a backward its own step follows (tier 1): the last
+        # graph bucket's all-reduce is not waited for here but left as the ``tail`` for the
+        # step, which steps the other parameters first (IterationStep.apply_step). A step
+        # per bucket was slower (GPT-2, 2xH200 fp32: 11.66 against 11.43-11.53 ms/it).
         self.defer_waits = False
         self.tail: tuple[int, object] | None = None  # (bucket, its work)
         # Set while a tier-2 backward graph owns this backward pass: a gradient
@@ -155,9 +157,8 @@ class GradientReducer:
                          for i, p in enumerate(self.params) if p.requires_grad]
         self.unused_warned: set[str] = set()
         self._newly_unused: list[str] = []
-        # The per-step checks over every parameter (drift, .grad views) as one
-        # C++ loop each (csrc/param_watch.h): a Python loop costs ~0.1 us per
-        # parameter and check. None with an extension built before it.
+        # The per-step checks over every parameter (drift, .grad views), a C++ loop each
+        # (csrc/param_watch.h; ~0.1 us per parameter in Python). None: an older extension.
         watch = getattr(C, "ParamWatch", None)
         self.watch = watch(self.params, self.views) if watch is not None else None
 
@@ -286,6 +287,8 @@ class GradientReducer:
             raise
 
     def _all_reduce(self, b: int, *, overlap: bool = True):
+        if self._solo:  # one rank: the bucket is already the sum (the module docstring)
+            return DONE
         comm = self.comm[b]
         if comm is None:
             return collectives.all_reduce(self.buffers[b], group=self.group, async_op=True)

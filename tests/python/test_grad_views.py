@@ -456,8 +456,11 @@ def gpu_adoption(steps=30, reload_at=15):
     pgd.init()
     dev = device()
     out = {}
-    for label, graphs, adopt in (("adopted", True, "1"), ("copies", True, "0"), ("eager", False, "1")):
+    variants = (("adopted", True, "1", "0"), ("copies", True, "0", "0"), ("issued", True, "1", "1"),
+                ("eager", False, "1", "0"))
+    for label, graphs, adopt, solo in variants:
         os.environ["PYGRAPH_DIST_ADOPT_GRADS"] = adopt
+        os.environ["PYGRAPH_DIST_SOLO_ALLREDUCE"] = solo
         base = gpu_model(0, 0.1)
         model, opt = pgd.wrap(base, adamw(base.parameters(), "fp32", 1e-3), graphs=graphs, warmup=2)
         reducer = model.engine.reducer
@@ -479,6 +482,7 @@ def gpu_adoption(steps=30, reload_at=15):
             "params": torch.cat([p.detach().reshape(-1) for p in base.parameters()]).cpu(),
             "grads": torch.cat([p.grad.reshape(-1) for p in base.parameters()]).cpu(),
             "phase": rep.graphs[0].phase if rep.graphs else "none", "replays": rep.replays,
+            "collectives": rep.graphs[0].n_collectives if rep.graphs else -1,
             "captures": len([e for e in rep.events if e["event"] == "captured"]),
             "buckets": rep.buckets, "in_buffers": in_buffers, "moved": reducer.adoption.moved,
             "grad_is_view": all(p.grad is v for p, v in zip(reducer.params, reducer.views)),
@@ -493,9 +497,10 @@ def gpu_adoption(steps=30, reload_at=15):
         pgd.shutdown()
         pgd.init()
     os.environ.pop("PYGRAPH_DIST_ADOPT_GRADS")
+    os.environ.pop("PYGRAPH_DIST_SOLO_ALLREDUCE")
     ref = out["eager"]
     res = {k: {f: v for f, v in o.items() if f not in ("params", "grads")} for k, o in out.items()}
-    for k in ("adopted", "copies"):
+    for k in ("adopted", "copies", "issued"):
         res[k]["params_bitwise"] = bool(torch.equal(out[k]["params"], ref["params"]))
         res[k]["grads_bitwise"] = bool(torch.equal(out[k]["grads"], ref["grads"]))
     pgd.shutdown()
@@ -505,11 +510,14 @@ def gpu_adoption(steps=30, reload_at=15):
 @pytest.mark.gpu
 def test_world_size_1_graph_gradients_are_the_grads_on_gpu(ranks):
     (r,) = ranks("test_grad_views:gpu_adoption", world_size=1, timeout=300)
-    a, c = r["adopted"], r["copies"]
-    for o in (a, c):
+    a, c, i = r["adopted"], r["copies"], r["issued"]
+    for o in (a, c, i):
         assert o["phase"] == "replay" and o["replays"] >= 20 and o["captures"] == 2, o
         assert o["params_bitwise"] and o["grads_bitwise"], o
         assert o["grad_is_view"], o
+    # One rank: no all-reduce in the graph (a fork onto NCCL's stream and back otherwise).
+    assert a["collectives"] == 0 and c["collectives"] == 0, r
+    assert i["collectives"] > 0, i  # PYGRAPH_DIST_SOLO_ALLREDUCE=1 issues them, as before session 44
     assert a["moved"] and a["in_buffers"] == 0, a  # .grad is the graph's memory, not a bucket's
     assert a["restored"] and c["restored"], r  # no graph left: back in the buckets
     assert "no copies" in a["buckets"], a["buckets"]
@@ -541,3 +549,62 @@ def test_a_strided_gradient_leaves_only_itself_out_of_the_cat(monkeypatch):
     for p, v, g in zip(params, views, grads):
         assert p.grad is v and torch.equal(v, g)
     assert torch.equal(buf[80:], torch.full((32,), -7.0))
+
+
+def all_reduces_per_step(steps=3):
+    """How many bucket all-reduces each step issues, with and without
+    PYGRAPH_DIST_SOLO_ALLREDUCE=1, and the parameters either way."""
+    import os
+
+    from pygraph_dist import collectives
+
+    pgd.init()
+    rank = dist.get_rank()
+    calls = []
+    real = collectives.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.data_ptr())
+        return real(tensor, *args, **kwargs)
+
+    collectives.all_reduce = counting
+    out = {}
+    try:
+        for solo in ("0", "1"):
+            os.environ["PYGRAPH_DIST_SOLO_ALLREDUCE"] = solo
+            torch.manual_seed(0)
+            net = Deep()
+            # A small bucket cap: several buckets; one named eager: reduce_eager's path too.
+            model, opt = pgd.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                                  graphs=False, bucket_cap_mb=0.002, eager_params=["body.0.weight"])
+            calls.clear()
+            for step in range(steps):
+                x, y = data(step, rank, batch=8, width=16, classes=4)
+                opt.zero_grad(set_to_none=True)
+                model(x, y).backward()
+                opt.step()
+            buckets = {b.data_ptr() for b in model.engine.reducer.buffers}  # not the engine's own agreement
+            out[solo] = {"per_step": sum(c in buckets for c in calls) / steps, "buckets": len(buckets),
+                         "params": torch.cat([p.detach().flatten() for p in net.parameters()]).tolist()}
+    finally:
+        collectives.all_reduce = real
+        os.environ.pop("PYGRAPH_DIST_SOLO_ALLREDUCE", None)
+        pgd.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_world_size_1_issues_no_all_reduce(ranks, world_size):
+    """One rank: the bucket is its own sum, and even an empty collective forks a
+    captured graph onto NCCL's stream and back (+14 us per replay at 502 tensors on
+    an H100, session 44). Nothing is issued; the training is bitwise the same as
+    with the all-reduces (PYGRAPH_DIST_SOLO_ALLREDUCE=1). Two ranks reduce every bucket."""
+    for r in ranks("test_grad_views:all_reduces_per_step", world_size=world_size, timeout=120):
+        default, issued = r["0"], r["1"]
+        assert default["buckets"] >= 3, r
+        assert issued["per_step"] == default["buckets"], issued  # the eager bucket included
+        if world_size == 1:
+            assert default["per_step"] == 0, default
+            assert default["params"] == issued["params"]
+        else:
+            assert default["per_step"] == default["buckets"], default
