@@ -226,3 +226,37 @@ def test_the_issues_wall_bars_are_judged_per_model_size():
     assert "wall_bar_us" not in by["hand_tier2", 250] and "wall_bar_us" not in by["hand", 8]
     text = hc.table(rows, {"device": "test", "torch": "x", "steps": 1, "warmup": 0})
     assert "pgd_tier2/18 +165 > 160" in text and "pgd_tier1/502 +20 > 15" in text, text
+
+
+def test_wall_ab_pairs_each_round_with_the_hand_recipes_block(tmp_path):
+    """benchmarks/wall_ab.py's arithmetic (its measurement needs a GPU): the
+    differences are taken round by round, so a slow round moves both sides
+    and drops out; the verdict names the bar and the second hand capture."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import wall_ab
+
+    assert wall_ab.parse_mode("pgd_tier1@PYGRAPH_DIST_SOLO_ALLREDUCE=1@X=2") == (
+        "pgd_tier1", {"PYGRAPH_DIST_SOLO_ALLREDUCE": "1", "X": "2"})
+    assert wall_ab.parse_mode("hand_again") == ("hand", {})
+    with pytest.raises(SystemExit, match="MODE@VAR=VALUE"):
+        wall_ab.parse_mode("pgd_tier1@NOVALUE")
+    with pytest.raises(SystemExit, match="unknown mode"):
+        wall_ab.parse_mode("tier9")
+    # Round 2 is slow for everyone (+500 us): unpaired medians would blur it, paired ones do not.
+    walls = {"hand": [100.0, 600.0, 101.0, 99.0], "hand_again": [102.0, 603.0, 103.0, 100.0],
+             "pgd_tier1": [120.0, 618.0, 119.0, 121.0]}
+    s = wall_ab.summarize(walls)
+    assert s["hand"]["vs_hand_us"] == 0.0
+    assert s["pgd_tier1"]["vs_hand_us"] == pytest.approx(19.0)  # differences 20, 18, 18, 22
+    assert s["hand_again"]["vs_hand_us"] == pytest.approx(2.0)
+    (line,) = wall_ab.verdicts(s)
+    assert line.startswith("pgd_tier1 +19.0 us") and "NOT met" in line and "second hand capture: +2.0" in line
+    walls["pgd_tier1"] = [110.0, 612.0, 111.0, 108.0]
+    assert "<= +15: met" in wall_ab.verdicts(wall_ab.summarize(walls))[0]
+    result = {"environment": {"device": "test", "torch": "x"}, "config": {"rounds": 4},
+              "sizes": [{"layers": 8, "params": 18, "steps_per_block": 10, "summary": s,
+                         "verdicts": wall_ab.verdicts(s)}]}
+    text = wall_ab.table(result)
+    assert "-- 18 parameter tensors" in text and "pgd_tier1" in text and "NOT met" in text
+    if wall_ab.plot(result, tmp_path / "w.png") is not None:
+        assert (tmp_path / "w.png").stat().st_size > 1000
