@@ -187,6 +187,8 @@ class GraphRunner:
                                           group=self.group, device=self.agree_device)[0]
         entry.collectives = (fingerprint.describe(4) if fingerprint is not None
                              else "not recorded (stock backend)")
+        if fingerprint is not None and not len(fingerprint) and self.reducer.world_size == 1:
+            entry.collectives = "none (world size 1: nothing to all-reduce)"
         entry.n_collectives = len(fingerprint) if fingerprint is not None else -1
         entry.pool_bytes = max(0, pool_bytes)
         entry.drift.hyperparams = snapshot_hyperparams(self.optimizer)

@@ -483,6 +483,7 @@ def gpu_adoption(steps=30, reload_at=15):
             "grads": torch.cat([p.grad.reshape(-1) for p in base.parameters()]).cpu(),
             "phase": rep.graphs[0].phase if rep.graphs else "none", "replays": rep.replays,
             "collectives": rep.graphs[0].n_collectives if rep.graphs else -1,
+            "collectives_text": rep.graphs[0].collectives if rep.graphs else "",
             "captures": len([e for e in rep.events if e["event"] == "captured"]),
             "buckets": rep.buckets, "in_buffers": in_buffers, "moved": reducer.adoption.moved,
             "grad_is_view": all(p.grad is v for p, v in zip(reducer.params, reducer.views)),
@@ -517,6 +518,7 @@ def test_world_size_1_graph_gradients_are_the_grads_on_gpu(ranks):
         assert o["grad_is_view"], o
     # One rank: no all-reduce in the graph (a fork onto NCCL's stream and back otherwise).
     assert a["collectives"] == 0 and c["collectives"] == 0, r
+    assert a["collectives_text"] == "none (world size 1: nothing to all-reduce)", a  # report()'s column
     assert i["collectives"] > 0, i  # PYGRAPH_DIST_SOLO_ALLREDUCE=1 issues them, as before session 44
     assert a["moved"] and a["in_buffers"] == 0, a  # .grad is the graph's memory, not a bucket's
     assert a["restored"] and c["restored"], r  # no graph left: back in the buckets
