@@ -228,11 +228,11 @@ def test_the_issues_wall_bars_are_judged_per_model_size():
     assert "pgd_tier2/18 +165 > 160" in text and "pgd_tier1/502 +20 > 15" in text, text
 
 
-def test_wall_ab_pairs_each_round_with_the_hand_recipes_block(tmp_path):
+def test_wall_ab_pairs_each_round_with_the_hand_recipes_block(tmp_path, monkeypatch):
     """benchmarks/wall_ab.py's arithmetic (its measurement needs a GPU): the
     differences are taken round by round, so a slow round moves both sides
     and drops out; the verdict names the bar and the second hand capture."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import wall_ab
 
     assert wall_ab.parse_mode("pgd_tier1@PYGRAPH_DIST_SOLO_ALLREDUCE=1@X=2") == (
@@ -252,7 +252,13 @@ def test_wall_ab_pairs_each_round_with_the_hand_recipes_block(tmp_path):
     (line,) = wall_ab.verdicts(s)
     assert line.startswith("pgd_tier1 +19.0 us") and "NOT met" in line and "second hand capture: +2.0" in line
     walls["pgd_tier1"] = [110.0, 612.0, 111.0, 108.0]
-    assert "<= +15: met" in wall_ab.verdicts(wall_ab.summarize(walls))[0]
+    assert wall_ab.verdicts(wall_ab.summarize(walls))[0].endswith("<= +15: met; a second hand capture: +2.0")
+    walls["pgd_tier1"] = [110.0, 640.0, 111.0, 108.0]  # differences 10, 40, 10, 9: median met, quartile not
+    assert "met by the median; the upper quartile is over the bar" in wall_ab.verdicts(wall_ab.summarize(walls))[0]
+    two = wall_ab.summarize({"hand": [1.0, 1.0], "x": [11.0, 21.0]})["x"]
+    assert 10.0 <= two["vs_hand_q1"] <= two["vs_hand_q3"] <= 20.0  # quartiles within the data
+    with pytest.raises(SystemExit, match="at least 2"):
+        wall_ab.main(["--rounds", "1"])
     result = {"environment": {"device": "test", "torch": "x"}, "config": {"rounds": 4},
               "sizes": [{"layers": 8, "params": 18, "steps_per_block": 10, "summary": s,
                          "verdicts": wall_ab.verdicts(s)}]}
