@@ -367,6 +367,18 @@ def sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
+def wall_per_step(mode: Mode, steps: int, start: int = 0) -> float:
+    """Seconds per step of ``steps`` back-to-back steps from batch ``start`` on,
+    the GPU synchronised at both ends (also ``wall_ab.py``'s blocks)."""
+    batches = mode.batches
+    sync(mode.dev)
+    t0 = time.perf_counter()
+    for i in range(start, start + steps):
+        mode.step(*batches[i % len(batches)])
+    sync(mode.dev)
+    return (time.perf_counter() - t0) / steps
+
+
 def host_times(mode: Mode, steps: int, start: int = 0) -> list[float]:
     """Seconds of host time of each of ``steps`` steps, from batch ``start`` on:
     perf_counter around one step, the GPU synchronised (untimed) between steps."""
@@ -387,11 +399,7 @@ def measure(mode: Mode, steps: int, warmup: int, spans=None, calls: bool = True)
         mode.step(*batches[i % len(batches)])
     sync(dev)
     mode.describe()
-    t0 = time.perf_counter()
-    for i in range(steps):
-        mode.step(*batches[i % len(batches)])
-    sync(dev)
-    wall = (time.perf_counter() - t0) / steps
+    wall = wall_per_step(mode, steps)
     if spans is not None:
         spans.reset()
     host = host_times(mode, steps)

@@ -44,7 +44,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import host_cost as hc  # noqa: E402 - the modes and models of host_cost.py
 
-BAR_US = {"pgd_tier1": 15.0}  # issue 26: tier 1 <= hand + 15 us per step
+# Issue 26's bars measured from the hand recipe itself (tier 1 <= hand + 15 us), from host_cost's table.
+BAR_US = {mode: allowance for mode, (base, allowance) in hc.WALL_BARS.items() if base == "hand"}
 
 
 def parse_mode(spec: str) -> tuple[str, dict[str, str]]:
@@ -92,16 +93,6 @@ def verdicts(summary: dict[str, dict]) -> list[str]:
     return lines
 
 
-def block(mode, steps: int, start: int) -> float:
-    """us per step of ``steps`` back-to-back steps, synchronised at both ends."""
-    hc.sync(mode.dev)
-    t0 = time.perf_counter()
-    for i in range(start, start + steps):
-        mode.step(*mode.batches[i % len(mode.batches)])
-    hc.sync(mode.dev)
-    return (time.perf_counter() - t0) / steps * 1e6
-
-
 def setup(spec: str, layers: int, dev, batches, warmup: int):
     """The mode set up and warmed up, ``spec``'s variables set throughout: some
     switches are read when wrapping, others at the capture, which happens in
@@ -138,7 +129,7 @@ def run(args) -> dict:
               "config": {k: v for k, v in vars(args).items()}, "sizes": []}
     for layers in args.layers:
         modes = {spec: setup(spec, layers, dev, batches, args.warmup) for spec in args.modes}
-        per_step = block(modes["hand"], 50, 0)
+        per_step = hc.wall_per_step(modes["hand"], 50) * 1e6
         steps = max(20, math.ceil(args.block_ms * 1e3 / per_step))
         walls: dict[str, list[float]] = {spec: [] for spec in modes}
         done = dict.fromkeys(modes, args.warmup)
@@ -146,7 +137,7 @@ def run(args) -> dict:
             order = list(modes)
             rng.shuffle(order)
             for spec in order:
-                walls[spec].append(block(modes[spec], steps, done[spec]))
+                walls[spec].append(hc.wall_per_step(modes[spec], steps, done[spec]) * 1e6)
                 done[spec] += steps
             print(f"[wall_ab] L={layers} round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
         summary = summarize(walls)

@@ -118,7 +118,6 @@ def clip_in_spans(params, max_norm: float, foreach: bool | None = None, *, spans
     return norm
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ClipPlan:
     """A clip the step applies: torch's ``clip_grad_norm_(params, max_norm, 2.0,
