@@ -287,12 +287,16 @@ def report(print_report: bool = False, *, verbose: bool = False, as_dict: bool =
 
 
 def shutdown() -> None:
-    """Release every graph, then destroy the default process group."""
+    """Release every graph, then destroy the default process group, and take
+    back the process group shutdown hook that ``wrap()`` installed."""
     import gc
 
     import torch.distributed as dist
 
+    from . import lifetime
+
     teardown_all()
     if dist.is_initialized():
         dist.destroy_process_group()
+    lifetime.uninstall()
     gc.collect()  # destroy what held the group now, not during interpreter exit
