@@ -182,6 +182,9 @@ def release_for(group) -> None:
     _release([e for e in live_engines() if _same_group(getattr(e, "group", None), group)])
 
 
+_INHERITED = object()  # ``ProcessGroup.shutdown`` came from a base class
+
+
 def _make_shutdown_hook(original):
     def shutdown(self, *args, **kwargs):
         try:
@@ -206,7 +209,13 @@ def install() -> None:
         cls = dist.ProcessGroup
         current = cls.shutdown
         if getattr(current, "_pgd_original", None) is None:
-            cls.shutdown = _make_shutdown_hook(current)
+            hook = _make_shutdown_hook(current)
+            # What to put back: the class's own attribute as stored (pybind11 keeps
+            # an ``instancemethod`` there; ``cls.shutdown`` hands out the bare
+            # builtin, which would not bind ``self`` if set back), or nothing when
+            # the method is inherited.
+            hook._pgd_stored = cls.__dict__.get("shutdown", _INHERITED)  # type: ignore[attr-defined]
+            cls.shutdown = hook
         _installed = True
 
 
@@ -218,9 +227,11 @@ def uninstall() -> None:
             return
         atexit.unregister(teardown_all)
         cls = dist.ProcessGroup
-        original = getattr(cls.shutdown, "_pgd_original", None)
-        if original is not None:
-            cls.shutdown = original
+        stored = getattr(cls.shutdown, "_pgd_stored", None)
+        if stored is _INHERITED:
+            del cls.shutdown
+        elif stored is not None:
+            cls.shutdown = stored
         _installed = False
 
 

@@ -78,12 +78,21 @@ def batch(step: int, rank: int, dev: torch.device):
 class Run:
     """The models of one process group's lifetime, wrapped and trained."""
 
-    def __init__(self, pgd, dev: torch.device, rank: int, seed: int, tier1_group=None):
+    def __init__(self, pgd, dev: torch.device, rank: int, seed: int, tier1_group=None, ddp: bool = False):
         self.dev, self.rank = dev, rank
         tier1, tier2 = make_models(dev, seed)
-        self.m1, self.o1 = pgd.wrap(tier1, torch.optim.AdamW(tier1.parameters(), lr=1e-3),
-                                    process_group=tier1_group)
-        self.m2, self.o2 = pgd.wrap(tier2, torch.optim.AdamW(tier2.parameters(), lr=1e-3))
+        if ddp:  # the reference: the same script with torch's DDP, no pygraph_dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ids = [dev.index] if dev.type == "cuda" else None
+            self.m1 = DDP(tier1, device_ids=ids, process_group=tier1_group)
+            self.m2 = DDP(tier2, device_ids=ids)
+            self.o1 = torch.optim.AdamW(self.m1.parameters(), lr=1e-3)
+            self.o2 = torch.optim.AdamW(self.m2.parameters(), lr=1e-3)
+        else:
+            self.m1, self.o1 = pgd.wrap(tier1, torch.optim.AdamW(tier1.parameters(), lr=1e-3),
+                                        process_group=tier1_group)
+            self.m2, self.o2 = pgd.wrap(tier2, torch.optim.AdamW(tier2.parameters(), lr=1e-3))
         self.step_no = 0
 
     def step(self, *, train1: bool = True) -> float:
@@ -128,10 +137,13 @@ def write(out: Path, rank: int, **fields) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--end", choices=sorted(ENDS), required=True)
-    ap.add_argument("--init", choices=("pgd", "stock"), default="pgd")
+    ap.add_argument("--init", choices=("pgd", "stock", "ddp"), default="pgd",
+                    help="ddp: the script's own init_process_group and torch DDP (the reference)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cycles", type=int, default=2, help="reinit: process group lifetimes")
     args = ap.parse_args()
+    if args.init == "ddp" and args.end == "subgroup_destroy":
+        ap.error("--init ddp has no engines to check for subgroup_destroy")
 
     import pygraph_dist as pgd  # after the imports above, as a script that swaps DDP for wrap() does
 
@@ -147,14 +159,22 @@ def main() -> None:
     init()
     world = dist.get_world_size()
     sub = dist.new_group(list(range(world))) if args.end == "subgroup_destroy" else None
-    run = Run(pgd, dev, rank, seed=0, tier1_group=sub)
+    ddp = args.init == "ddp"
+    run = Run(pgd, dev, rank, seed=0, tier1_group=sub, ddp=ddp)
     cycles = args.cycles if args.end == "reinit" else 1
     replays = []
     for cycle in range(cycles):
         if cycle:
             destroy_process_group()
+            # A fresh rendezvous per lifetime where the launcher gave one
+            # (PGD_EXIT_REINIT_PORTS): re-using one env:// store after a destroy
+            # hangs now and then with torch DDP alone (Gloo, torch 2.13: 4 of 14
+            # runs, and 4 of 10 under torchrun), which is torch's, not ours.
+            ports = os.environ.get("PGD_EXIT_REINIT_PORTS", "").split(",")
+            if len(ports) >= cycle and ports[cycle - 1]:
+                os.environ["MASTER_PORT"] = ports[cycle - 1]
             init()
-            run = Run(pgd, dev, rank, seed=cycle)
+            run = Run(pgd, dev, rank, seed=cycle, ddp=ddp)
         for step in range(STEPS):
             run.step()
             if args.end == "sys_exit" and step == STEPS - 1:
