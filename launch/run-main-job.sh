@@ -4,6 +4,7 @@
 # per GPU when fewer GPUs than ranks). Sets up the environment first.
 #   ./launch/run-main-job.sh [--steps N] [other examples/train_mlp.py flags]
 set -euo pipefail
+export PGD_HINT_AT_END=1  # setup's "source .venv/bin/activate" hint comes last
 source "$(dirname "${BASH_SOURCE[0]}")/setup-env.sh"
 cd "$PGD_ROOT"
 nproc=2
@@ -12,4 +13,7 @@ if [ "$gpus" -ge 1 ] && [ "$gpus" -lt 2 ]; then
   echo "[main] one GPU visible: running 1 rank (NCCL allows one rank per GPU)" >&2
   nproc=1
 fi
-exec "$PY" -m pygraph_dist.launch --launcher torchrun -n "$nproc" examples/train_mlp.py "$@"
+rc=0
+"$PY" -m pygraph_dist.launch --launcher torchrun -n "$nproc" examples/train_mlp.py "$@" || rc=$?
+pgd_activate_hint
+exit $rc

@@ -5,8 +5,9 @@
 # 1. Debian packages: Open MPI (mpirun, mpicc) and GoogleTest, if missing; with
 #    PGD_SETUP_TESTS=1 (tests/run-all.sh) also what the two-host tests use:
 #    iproute2, MPICH (mpiexec.mpich, mpicc.mpich; Open MPI stays the default
-#    mpirun/mpicc), Slurm (slurmctld, slurmd, srun) and munge. Installed with
-#    apt-get when root; without root or without network a warning lists them.
+#    mpirun/mpicc), Slurm (slurmctld, slurmd, srun) and munge -- not with
+#    PGD_SKIP_TWO_HOST=1, which skips those tests. Installed with apt-get when
+#    root; without root or without network a warning lists them.
 # 2. Python: a virtual environment in .venv (PGD_VENV to move it; an existing
 #    environment given there is used as it is). If a Python with torch >= 2.11
 #    already exists -- PGD_PYTHON, the active virtual environment or conda
@@ -18,9 +19,13 @@
 #    present), mpi4py built against the launcher's MPI; optional ones
 #    (matplotlib, tqdm, mpi4py; with PGD_SETUP_TESTS=1 sphinx and myst-parser for
 #    the docs build test, lightning, transformers and accelerate for the
-#    integration tests) only warn when they cannot be installed.
+#    integration tests) only warn when they cannot be installed; with
+#    PGD_SETUP_TESTS=1 also an mpi4py built against MPICH for the two-host test
+#    (not with PGD_SKIP_TWO_HOST=1).
 # 4. pygraph_dist itself: `pip install --no-build-isolation .`, so that the
 #    extension compiles against the torch in the environment.
+# pygraph-launch, torchrun and the environment's python are then in $VENV/bin:
+# pgd_activate_hint prints how to put them on PATH in a new shell.
 set -euo pipefail
 PGD_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${PGD_VENV:-$PGD_ROOT/.venv}
@@ -35,7 +40,9 @@ command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
 command -v mpicc >/dev/null 2>&1 || need+=(libopenmpi-dev)
 [ -f /usr/include/gtest/gtest.h ] || need+=(libgtest-dev)
 extra=()  # only for the two-host tests: never pulls recommends
-if [ "${PGD_SETUP_TESTS:-0}" = 1 ]; then
+if [ "${PGD_SETUP_TESTS:-0}" = 1 ] && [ "${PGD_SKIP_TWO_HOST:-0}" = 1 ]; then
+  say "PGD_SKIP_TWO_HOST=1: not installing what only the two-host tests use (iproute2, MPICH, Slurm, munge, MPICH's mpi4py)"
+elif [ "${PGD_SETUP_TESTS:-0}" = 1 ]; then
   command -v ip >/dev/null 2>&1 || extra+=(iproute2)
   command -v mpiexec.mpich >/dev/null 2>&1 || extra+=(mpich)
   command -v mpicc.mpich >/dev/null 2>&1 || extra+=(libmpich-dev)
@@ -129,6 +136,17 @@ import os, site, sys
 dirs = [d for d in site.getsitepackages() if os.path.isdir(d)]
 print("import site; " + "; ".join(f"site.addsitedir({d!r})" for d in dirs) + f"  # launch/setup-env.sh: the packages of {sys.argv[1]}")
 PYEOF
+  # torch's console scripts (torchrun) stay in that Python's bin/, which
+  # activating $VENV does not put on PATH: a torchrun here runs torch's launcher
+  # with $VENV's python, so that its ranks import pygraph_dist too.
+  if [ ! -e "$VENV/bin/torchrun" ]; then
+    cat > "$VENV/bin/torchrun" <<SHEOF
+#!/bin/sh
+# launch/setup-env.sh: torchrun with this environment's python (torch comes from $base)
+exec "$VENV/bin/python" -m torch.distributed.run "\$@"
+SHEOF
+    chmod +x "$VENV/bin/torchrun"
+  fi
 }
 
 make_venv() {  # $1: interpreter; ensurepip may be missing (Debian without pythonX-venv)
@@ -253,8 +271,8 @@ if ! "$PY" -c "import mpi4py" >/dev/null 2>&1; then
 fi
 # The two-host tests also launch with MPICH: its own mpi4py, kept apart in
 # $VENV/mpich-mpi4py and put first on PYTHONPATH for MPICH's ranks only.
-if [ "${PGD_SETUP_TESTS:-0}" = 1 ] && command -v mpicc.mpich >/dev/null 2>&1 \
-    && [ ! -d "$VENV/mpich-mpi4py/mpi4py" ]; then
+if [ "${PGD_SETUP_TESTS:-0}" = 1 ] && [ "${PGD_SKIP_TWO_HOST:-0}" != 1 ] \
+    && command -v mpicc.mpich >/dev/null 2>&1 && [ ! -d "$VENV/mpich-mpi4py/mpi4py" ]; then
   MPICC=$(command -v mpicc.mpich) optional_install "mpi4py (built against $(command -v mpicc.mpich), into $VENV/mpich-mpi4py)" \
       "the MPICH two-host test is skipped" \
       --no-cache-dir --no-binary mpi4py --no-deps --target "$VENV/mpich-mpi4py" mpi4py
@@ -265,3 +283,15 @@ rm -f "$pip_log"
 say "building pygraph_dist against $("$PY" -c 'import torch; print("torch", torch.__version__)')"
 ( cd "$PGD_ROOT" && "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps . )
 "$PY" -c "import pygraph_dist as p; ok, why = p.graphs_available(); print('[setup] pygraph_dist', p.__version__, '- graphs available' if ok else '- ' + why)" >&2
+
+# pygraph-launch, torchrun and python with pygraph_dist are in $VENV/bin, which
+# is not on PATH: how to get them in a new shell. The two commands print it at
+# their end (PGD_HINT_AT_END=1), where it is not scrolled away.
+pgd_activate_hint() {
+  if [ -f "$VENV/bin/activate" ]; then
+    say "pygraph-launch, torchrun and python with pygraph_dist are in $VENV/bin; to use them in a shell: source $VENV/bin/activate"
+  else
+    say "pygraph-launch, torchrun and python with pygraph_dist are in $VENV/bin; to use them in a shell: export PATH=\"$VENV/bin:\$PATH\""
+  fi
+}
+[ "${PGD_HINT_AT_END:-0}" = 1 ] || pgd_activate_hint

@@ -14,11 +14,17 @@ has the cores for it (``PGD_TEST_JOBS``, default: one job per 4 cores, at most
    never beside other tests (they share the GPUs and time themselves).
 
 Exit status 0 only if every pytest passed (or selected no test).
+
+This module is also a pytest plugin (``-p run_sharded``, with ``tests/`` on
+``PYTHONPATH``), which ``run-all.sh`` loads for every pytest, sharded or not,
+when ``PGD_SKIP_TWO_HOST=1``: the two-host tests (marker ``multihost``) are then
+skipped with that reason, so that a quick local run still lists them.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -34,6 +40,20 @@ LONGEST_FIRST = ["test_loops.py", "test_ecosystem_scripts.py", "test_launch_env.
                  "test_cpu_training.py", "test_launch_and_tools.py", "test_faults_exit_stress.py", "test_segments.py",
                  "test_faults_native_watchdog.py", "test_compile.py", "test_nonfinite_resume.py"]
 NO_TESTS_COLLECTED = 5  # pytest's exit code when a file has no test of the marker
+TWO_HOST_SKIPPED = ("PGD_SKIP_TWO_HOST=1: the two-host tests (torchrun, Open MPI, MPICH, Slurm across two "
+                    "network namespaces) are not run; ./tests/run-all.sh without it runs them, as CI does")
+
+
+def pytest_collection_modifyitems(config, items):
+    """As a pytest plugin: with PGD_SKIP_TWO_HOST=1, every ``multihost`` test is skipped, with the reason."""
+    if os.environ.get("PGD_SKIP_TWO_HOST") != "1":
+        return
+    import pytest
+
+    skip = pytest.mark.skip(reason=TWO_HOST_SKIPPED)
+    for item in items:
+        if "multihost" in item.keywords:
+            item.add_marker(skip)
 
 
 def ordered_files(tests: Path = TESTS) -> list[Path]:
