@@ -33,7 +33,7 @@ import time
 import torch
 import torch.utils._pytree as pytree
 
-from . import agreement, kernels
+from . import agreement, host_copies, kernels
 from ._ext import C
 from .capture_guard import _bucket_error, capture_into, describe_capture_error, end_failed_capture
 from .graph_cache import GraphCache, GraphEntry, discard
@@ -70,6 +70,9 @@ class GraphRunner:
         # generators (capture_into). Not around compiled modules: a
         # torch-function mode would meet dynamo.
         self.watch_generators = False
+        # host_copies.py: host tensors copied in forward, graphed once a capture
+        # met one (the engine enables it where a dispatch mode may run).
+        self.host_watch = host_copies.HostWatch()
 
     # ----------------------------------------------------------- warm-up
     def run_owned(self, inputs):
@@ -113,7 +116,8 @@ class GraphRunner:
         error: BaseException | None = None
         static_result = None
         try:
-            static_result, step_graph = self._record(entry, graph, static, pool)
+            with host_copies.substituting(self.host_watch, entry):
+                static_result, step_graph = self._record(entry, graph, static, pool)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an agreed fallback
             error = exc
         finally:
@@ -123,6 +127,7 @@ class GraphRunner:
             self.reducer.abandon()
             self._restore_after_failed_capture(generator, rng_snapshot)
         reason, retryable = describe_capture_error(error)
+        reason, retryable = host_copies.capture_failed(self.host_watch, entry, error, reason, retryable)
         if error is not None and "host synchronisation" in reason and self.sync_sites:
             reason += f"; the probe saw host syncs in forward at {', '.join(self.sync_sites[:3])}"
         paths = varying_paths(entry.unused_seen) if error is None else ""
@@ -203,7 +208,8 @@ class GraphRunner:
     def captured_event(self, entry: GraphEntry, iteration: int) -> None:
         self.cache.event(entry, iteration, "captured",
                          f"{entry.collectives}; {entry.segments(self.reducer.kinds)}; capture "
-                         f"{entry.capture_s * 1e3:.0f} ms, pool {entry.pool_bytes / 2**20:.1f} MiB")
+                         f"{entry.capture_s * 1e3:.0f} ms, pool {entry.pool_bytes / 2**20:.1f} MiB"
+                         f"{host_copies.describe(entry)}")
 
     def capture_failed(self, entry: GraphEntry, iteration: int, reason: str, retry: bool, *,
                        local_error: bool, what: str = "capture") -> None:

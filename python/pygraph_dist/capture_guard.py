@@ -18,16 +18,26 @@ retryable)``; the ranks agree on the verdict and the iteration runs eagerly.
 A gradient bucket whose all-reduce raised while recording shows up in that
 chain as a :class:`BucketCaptureError` (raised by the reducer), which is how
 the bucket -- not the whole model -- leaves the graph on every rank.
+
+A reason names the line that raised (:func:`error_site`): the innermost frame
+of the exception's traceback outside torch, pygraph_dist and the standard
+library -- the user's model, or a library's (``transformers/models/...py:123``,
+followed by the user's line that led there) -- as ``"...; raised at
+model.py:42 in forward()"``; :func:`failure_where` reads the ``file:line`` back
+out of a reason (agreed reasons included), for ``report()``'s ``where``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ._ext import C, NOT_CAPTURABLE_TAG
+from .monitor import Site, frames_of, locate
 
 
 class BucketCaptureError(RuntimeError):
@@ -116,12 +126,34 @@ def capture_into(graph, *, pool, stream, watch_generators: bool = False):
     for module, name, original in saved:
         setattr(module, name, _refusing_while_capturing(name, original))
     try:
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"), \
+        with _QuietWhenEmpty(torch.cuda.graph(graph, pool=pool, stream=stream,
+                                              capture_error_mode="thread_local")), \
                 (_GeneratorGuard() if watch_generators else contextlib.nullcontext()):
             yield
     finally:
         for module, name, original in saved:
             setattr(module, name, original)
+
+
+# What capture_end warns when a graph recorded no kernel: a capture that failed
+# at its first op (the eager rerun follows), or an evaluation forward without a
+# kernel. Neither is the user's concern, and replaying an empty graph is harmless.
+_EMPTY_GRAPH = r"The CUDA Graph is empty"
+
+
+class _QuietWhenEmpty:
+    """``torch.cuda.graph`` with capture_end's empty-graph warning (alone) silenced."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __enter__(self):
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc_info):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_EMPTY_GRAPH)
+            return self.inner.__exit__(*exc_info)
 
 
 def end_failed_capture(generator, rng_snapshot, stream, device) -> None:
@@ -139,20 +171,71 @@ def end_failed_capture(generator, rng_snapshot, stream, device) -> None:
     torch.cuda.synchronize(device)
 
 
+def _traceback_frames(tb) -> tuple[list, object]:
+    """A traceback's frames as :func:`~pygraph_dist.monitor.locate` reads them
+    (innermost first), and the frame that called its outermost one."""
+    frames, outer = [], None
+    while tb is not None:
+        frame = tb.tb_frame
+        outer = outer or frame.f_back
+        frames.append((frame.f_code.co_filename, tb.tb_lineno, frame.f_code.co_name,
+                       str(frame.f_globals.get("__name__", ""))))
+        tb = tb.tb_next
+    return frames[::-1], outer
+
+
+def error_site(error: BaseException | None) -> Site | None:
+    """The line that raised ``error``: the innermost frame of its traceback outside
+    torch, pygraph_dist and the standard library (a framework's, such as
+    ``transformers/models/mistral/modeling_mistral.py:123``, with the user's line
+    that led there), or None when every frame is torch's or ours. The chain is
+    read from its root cause out: ``torch.cuda.graph``'s exit raises capture_end's
+    error from our own frames, with the body's error (the line) as its context."""
+    for e in reversed(list(_exception_chain(error, 4))):
+        frames, outer = _traceback_frames(e.__traceback__)
+        # Beyond the traceback, the callers still on the stack (the user's loop
+        # around the wrapped call) name the user's line after a framework's.
+        site = locate(frames, frames_of(outer))
+        if site is not None:
+            return site
+    return None
+
+
+def site_text(site: Site | None) -> str:
+    """What a reason says of ``site``: ``"; raised at model.py:42 in forward()"``
+    (and ``" (from train.py:55)"`` after a framework's line), or "" without one."""
+    if site is None:
+        return ""
+    text = f"; raised at {site.where}" + (f" in {site.function}()" if site.function else "")
+    return text + (f" (from {site.user})" if site.user else "")
+
+
+_RAISED_AT = re.compile(r"; raised at (\S+:\d+)")
+
+
+def failure_where(reason: str) -> str:
+    """The ``file:line`` a capture-failure reason names (:func:`site_text`), or "".
+    Of an agreed reason (``"rank 0: ...; rank 1: ..."``), the first rank's."""
+    found = _RAISED_AT.search(reason or "")
+    return found.group(1) if found else ""
+
+
 def describe_capture_error(error: BaseException | None) -> tuple[str, bool]:
-    """(reason, retryable) for a local capture failure."""
+    """(reason, retryable) for a local capture failure; the reason ends with the
+    line that raised, when one is outside torch and pygraph_dist (:func:`site_text`)."""
     if error is None:
         return "", True
+    at = site_text(error_site(error))
     bucket_error = _bucket_error(error)
     if bucket_error is not None:
-        return str(bucket_error), True
+        return f"{bucket_error}{at}", True
     # torch.cuda.graph.__exit__ ends the capture even when the body raised, so
     # the error we catch may be capture_end's; the cause is in the chain.
     chain = [f"{type(e).__name__}: {e}".strip() for e in _exception_chain(error, 4)]
     text = "\n".join(chain)
     first = chain[-1].splitlines()[0][:400] if chain else ""
     if NOT_CAPTURABLE_TAG in text:
-        return first.replace(NOT_CAPTURABLE_TAG, "").strip(), False
+        return first.replace(NOT_CAPTURABLE_TAG, "").strip() + at, False
     lowered = text.lower()
     if "not permitted when stream is capturing" in lowered or (
         "capture" in lowered and ("invalidated" in lowered or "unsupported" in lowered)
@@ -160,10 +243,10 @@ def describe_capture_error(error: BaseException | None) -> tuple[str, bool]:
         return (
             "a host synchronisation happened during capture (e.g. .item(), .cpu(), nonzero, "
             "boolean-mask indexing, a blocking copy, printing a tensor) in the model, the loss "
-            f"or the optimizer; CUDA said: {first}"
+            f"or the optimizer; CUDA said: {first}{at}"
         ), False
     if "capturable is false" in lowered:
-        return f"the optimizer is not capturable: {first}", False
-    return first, True
+        return f"the optimizer is not capturable: {first}{at}", False
+    return first + at, True
 
 

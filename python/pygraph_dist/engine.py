@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import clip_route, lifetime
+from . import clip_route, host_copies, lifetime
 from ._ext import C
 from .arguments import leaf_name, varying_detail
 from .capture import SELECT_REPLAYS
@@ -231,12 +231,15 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
             if not entry.first_seen_s:
                 entry.first_seen_s = time.perf_counter()
             entry.warmups += 1
-            with self.runner.timed(entry.eager_times, self._selecting(entry)):
+            with self.runner.timed(entry.eager_times, self._selecting(entry)), \
+                    host_copies.observing(self.runner.host_watch, entry):
                 loss = self.runner.run_owned(self.step.to_device(args, kwargs))
             return self._hand_out(loss)
         if phase == Phase.CAPTURE:
             return self._hand_out(self.runner.capture(entry, args, kwargs, iteration=self.iteration,
                                                       state_version=self.opt_state_version))
+        if entry.host_copies is not None and host_copies.check_due(entry):
+            return self._hand_out(self._check_host_copies(entry, args, kwargs, leaves))
         if not self._selecting(entry):
             return self._hand_out(self.runner.replay(entry, leaves, iteration=self.iteration))
         with self.runner.timed(entry.replay_times, True):
@@ -260,6 +263,7 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
                 or drift.state_version != self.opt_state_version
                 or entry.policy.phase != Phase.REPLAY or self._selecting(entry)
                 or getattr(entry.graph, "_tracker", None) is not None
+                or (entry.host_copies is not None and entry.host_copies.checking)
                 or self.cache.hyperparams_drift(entry, self.optimizer, self.opt_plan.lr_tensors)):
             return None
         launch = self.runner.watchdog.fused()
@@ -276,6 +280,17 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         self.loop.mode = Mode.OWNED
         self.loop.handed_out(fresh)
         return hand_out_outputs(result[1], result[0], fresh)  # the loss, or (HF) the loss and logits
+
+    def _check_host_copies(self, entry: GraphEntry, args: tuple, kwargs: dict, leaves):
+        """Check mode (host_copies.py): this iteration eagerly, its host copies
+        compared with the ones the graph replays; the graphs go when they differ."""
+        if leaves is None:  # matched by the guard, which holds the call's tensors
+            entry.guard.discard()
+        with host_copies.verifying(entry) as session:
+            result = self.runner.run_owned(self.step.to_device(args, kwargs))
+        host_copies.conclude_check(session, entry, self.cache, self.iteration, group=self.group,
+                                   device=self.agree_device, collective=True, rank=self.rank)
+        return result
 
     def _guard_match(self, args: tuple, kwargs: dict) -> GraphEntry | None:
         """The entry replayed last, if this call has its signature (InputGuard)."""

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.utils._pytree as pytree
 
+from . import host_copies
 from ._ext import C
 from .capture_guard import describe_capture_error
 from .graph_cache import GraphEntry, discard
@@ -82,6 +83,8 @@ class EvalGraphs:
         phase = entry.policy.begin_iteration()
         entry.last_used = eng.iteration
         if phase == Phase.REPLAY:
+            if entry.host_copies is not None and host_copies.check_due(entry):
+                return self._check_host_copies(entry, args, kwargs)
             return self._replay(entry, leaves)
         if phase == Phase.CAPTURE:
             out = self._capture(entry, args, kwargs)
@@ -92,7 +95,7 @@ class EvalGraphs:
             if not entry.first_seen_s:
                 entry.first_seen_s = time.perf_counter()
             entry.warmups += 1
-            with eng.step.on_compute_stream():
+            with eng.step.on_compute_stream(), host_copies.observing(eng.runner.host_watch, entry):
                 return eng.step.evaluate(args, kwargs)
         return eng.step.evaluate(args, kwargs)
 
@@ -151,7 +154,7 @@ class EvalGraphs:
         error: BaseException | None = None
         out = None
         try:
-            with runner.capturing(graph, pool):
+            with runner.capturing(graph, pool), host_copies.substituting(runner.host_watch, entry):
                 out = step.evaluate(*static)
         except Exception as exc:  # noqa: BLE001 - every failure runs this call eagerly
             error = exc
@@ -159,6 +162,7 @@ class EvalGraphs:
             fingerprint = eng.fp_backend.stop_recording() if eng.fp_backend is not None else None
         entry.capture_s = time.perf_counter() - t0
         reason, retryable = describe_capture_error(error)
+        reason, retryable = host_copies.capture_failed(runner.host_watch, entry, error, reason, retryable)
         if error is None and fingerprint is not None and len(fingerprint):
             reason, retryable = (f"the forward issues collectives ({fingerprint.describe(4)}); an "
                                  "evaluation graph could replay them on some ranks only"), False
@@ -189,12 +193,22 @@ class EvalGraphs:
         entry.setup_s = time.perf_counter() - (entry.first_seen_s or t0)
         cache.event(entry, eng.iteration, "captured",
                     f"forward only; capture {entry.capture_s * 1e3:.0f} ms, pool "
-                    f"{entry.pool_bytes / 2**20:.1f} MiB")
+                    f"{entry.pool_bytes / 2**20:.1f} MiB{host_copies.describe(entry)}")
         if eng.rank == 0:
             logger.info("captured [%s], capture %.0f ms", entry.description, entry.capture_s * 1e3)
         return map_outputs(out, _fresh)
 
     # --------------------------------------------------------------- replay
+    def _check_host_copies(self, entry: GraphEntry, args, kwargs):
+        """Check mode (host_copies.py): this call eagerly, its host copies compared
+        with the ones the graph replays; the graph goes when they differ (this rank
+        alone: evaluation takes no collective)."""
+        eng = self.engine
+        with host_copies.verifying(entry) as session:
+            out = eng.step.evaluate(args, kwargs)
+        host_copies.conclude_check(session, entry, eng.cache, eng.iteration, collective=False, rank=eng.rank)
+        return out
+
     def _replay(self, entry: GraphEntry, leaves: list):
         for static, leaf in zip(entry.static_leaves, leaves):
             if isinstance(leaf, torch.Tensor) and leaf is not static:

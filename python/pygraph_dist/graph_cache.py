@@ -25,6 +25,7 @@ import torch
 
 from ._ext import C
 from .amp import dtype_name
+from .capture_guard import failure_where
 from .param_groups import group_versions, hyperparams_drift, same_versions
 from .spans import timed
 
@@ -69,6 +70,9 @@ class GraphEntry:
     lane_exts: list = field(default_factory=list)
     lane_loss: Any = None
     lane_meta: tuple = ()
+    # host_copies.py: the host tensors its forward copies (observed at warm-up,
+    # replayed from pinned buffers), or None.
+    host_copies: Any = None
     eager_buckets: tuple = ()  # buckets reduced eagerly between the two graphs
     sparse_grads: dict = field(default_factory=dict)  # param index -> captured local sparse grad
     # Static inputs and output the graphs read and write.
@@ -127,6 +131,7 @@ class Event:
     inputs: str
     event: str
     detail: str
+    where: str = ""  # the line that raised, when detail is a failed capture's reason
 
 
 class GraphCache:
@@ -196,7 +201,8 @@ class GraphCache:
 
     # ------------------------------------------------------------ events
     def event(self, entry: GraphEntry | None, iteration: int, what: str, detail: str) -> None:
-        self.events.append(Event(iteration, entry.description if entry is not None else "", what, detail))
+        self.events.append(Event(iteration, entry.description if entry is not None else "", what, detail,
+                                 failure_where(detail)))
 
     # ------------------------------------------------------------- drift
     @timed("drift")
@@ -243,6 +249,9 @@ class GraphCache:
         entry.sparse_grads = {}
         entry.static_result = None
         entry.lane_loss, entry.lane_exts, entry.lane_recorder = None, [], None
+        if entry.host_copies is not None:  # its pinned buffers, once no replay reads them
+            entry.host_copies.retire()
+            entry.host_copies = None
         if self.on_none_live is not None and not any(e.live for e in self.entries.values()):
             self.on_none_live()
 
@@ -361,6 +370,7 @@ def describe_entries(entries, bucket_kinds: list[str]) -> list:
             tier=(e.tier if e.tier == "eval" else str(e.tier) if e.live else
                   ("3" if p.phase == Phase.EAGER else "")),
             was_tier=str(e.tier) if e.live or p.replays else "", autocast=_autocast_name(e.key),
+            where=failure_where(p.reason),
         ))
     return out
 

@@ -31,6 +31,7 @@ import contextlib
 import functools
 import os
 import sys
+import sysconfig
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -51,14 +52,99 @@ _INPLACE_DUNDERS = {
 }
 
 
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root + os.sep)
+
+
 def _internal(filename: str) -> bool:
     path = os.path.abspath(filename)
-    return path.startswith(_PKG_DIR) or path.startswith(_TORCH_DIR)
+    return _under(path, _PKG_DIR) or _under(path, _TORCH_DIR)  # torch, not torchvision
+
+
+# The standard library (a venv's lib/pythonX.Y too, whose site-packages is not it).
+_STDLIB_DIRS = tuple({os.path.abspath(p) for key in ("stdlib", "platstdlib")
+                      if (p := sysconfig.get_paths().get(key))})
+_INSTALLED = ("site-packages", "dist-packages")
+
+
+def _passed_over(filename: str, module: str) -> bool:
+    """Frames a location never names: torch's and ours, Triton's (what
+    torch.compile launches), the standard library's (``contextlib`` around a
+    ``with``), and generated code (``<frozen ...>``, torch.fx's ``<eval_with_key>``)."""
+    if filename.startswith("<"):
+        return filename.startswith(("<frozen", "<eval_with_key"))
+    if _internal(filename) or module.split(".")[0] == "triton":
+        return True
+    parts = os.path.abspath(filename).split(os.sep)
+    return (any(_under(os.path.abspath(filename), d) for d in _STDLIB_DIRS)
+            and not any(part in _INSTALLED for part in parts))
 
 
 # Packages that run the user's loop for them: a line of theirs is named with the
 # user's own line that led there (Fabric's precision plugin calls backward()).
+# Transformers' modeling files are the "user's code" of a model from the Hub:
+# the line named is theirs, followed by the user's.
 _FRAMEWORKS = {"lightning", "lightning_fabric", "pytorch_lightning", "transformers", "accelerate"}
+
+
+def _file_name(filename: str, top: str, framework: bool) -> str:
+    """How a location names a file: a framework's from its package down
+    (``lightning/fabric/...py``), an installed package's from site-packages down
+    (``timm/models/vit.py``), anything else relative to the working directory."""
+    if filename.startswith("<"):
+        return filename
+    parts = os.path.abspath(filename).split(os.sep)
+    if framework:
+        cut = max((i for i, part in enumerate(parts) if part == top), default=len(parts) - 1)
+        return "/".join(parts[cut:])
+    installed = max((i for i, part in enumerate(parts) if part in _INSTALLED), default=-1)
+    if 0 <= installed < len(parts) - 1:
+        return "/".join(parts[installed + 1:])
+    return os.path.relpath(os.path.abspath(filename))
+
+
+@dataclass(frozen=True)
+class Site:
+    """A line of code a reason names (:func:`locate`)."""
+
+    where: str          # file:line
+    function: str       # the function that line is in ("" at module level)
+    user: str = ""      # after a framework's line: the user's own line that led there
+
+    def __str__(self) -> str:
+        return f"{self.where} (from {self.user})" if self.user else self.where
+
+
+def frames_of(frame):
+    """``(filename, line, function, module)`` of ``frame`` and its callers, innermost first."""
+    while frame is not None:
+        yield (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name,
+               str(frame.f_globals.get("__name__", "")))
+        frame = frame.f_back
+
+
+def locate(frames, callers=()) -> Site | None:
+    """The innermost of ``frames`` (innermost first, as :func:`frames_of` yields
+    them) outside torch, pygraph_dist and the standard library, or None. A
+    framework's frame (:data:`_FRAMEWORKS`) is named from its package down, with
+    the innermost frame outside the frameworks that led there as ``user``,
+    looked for in ``frames`` and then in ``callers`` (frames further out, which
+    are never named themselves)."""
+    found: Site | None = None
+    for i, chain in enumerate((frames, callers)):
+        for filename, line, function, module in chain:
+            if _passed_over(filename, module):
+                continue
+            top = module.split(".")[0]
+            framework = top in _FRAMEWORKS
+            if found is None and i == 0:
+                found = Site(f"{_file_name(filename, top, framework)}:{line}",
+                             "" if function.startswith("<") else function)
+                if not framework:
+                    return found
+            elif found is not None and not framework:
+                return Site(found.where, found.function, f"{_file_name(filename, top, False)}:{line}")
+    return found
 
 
 def user_location() -> str:
@@ -66,21 +152,8 @@ def user_location() -> str:
     frame of a training framework is named from its package down
     (``lightning/fabric/...py:107``), followed by the innermost frame outside
     the frameworks too: ``... (from train.py:55)``."""
-    frame = sys._getframe(1)
-    inner = ""
-    while frame is not None:
-        filename, line = frame.f_code.co_filename, frame.f_lineno
-        if not _internal(filename):
-            top = str(frame.f_globals.get("__name__", "")).split(".")[0]
-            if top not in _FRAMEWORKS:
-                here = f"{os.path.relpath(os.path.abspath(filename))}:{line}"
-                return f"{inner} (from {here})" if inner else here
-            if not inner:
-                parts = os.path.abspath(filename).split(os.sep)
-                cut = max((i for i, part in enumerate(parts) if part == top), default=len(parts) - 1)
-                inner = f"{'/'.join(parts[cut:])}:{line}"
-        frame = frame.f_back
-    return inner or "<unknown>"
+    site = locate(frames_of(sys._getframe(1)))
+    return str(site) if site is not None else "<unknown>"
 
 
 _WRAPPER_NAMES = {"wrapper", "decorate_context", "inner", "wrapped", "fn"}

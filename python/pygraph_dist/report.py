@@ -16,6 +16,8 @@ import logging
 import re
 from dataclasses import asdict, dataclass, field
 
+from .capture_guard import failure_where
+
 logger = logging.getLogger("pygraph_dist")
 
 # Outcomes the event log appends to a detail: "(capturing again after warm-up)"
@@ -96,6 +98,10 @@ class GraphReport:
     was_tier: str = ""
     # The caller's own autocast around the model call ("bf16", "fp16"; "" if none).
     autocast: str = ""
+    # The line that raised when the reason is a failed capture ("model.py:42",
+    # "transformers/models/mistral/modeling_mistral.py:123"; "" otherwise):
+    # capture_guard.failure_where(reason).
+    where: str = ""
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,21 @@ class ModelReport:
     # by the probe), e.g. Accelerate's, which patches it into forward.
     inner_autocast: str = ""
 
+    def text(self, verbose: bool = False) -> str:
+        """This model's part of :func:`pygraph_dist.report`'s text."""
+        from .report_text import render
+
+        return render([self], verbose)
+
+    def __str__(self) -> str:
+        """The text report, as ``print(pgd.report())`` shows it for this model
+        (Lightning's ``trainer.strategy.last_report`` is one of these)."""
+        return self.text()
+
+    def as_dict(self) -> dict:
+        """This model's entry of :meth:`Report.as_dict`."""
+        return Report([self]).as_dict()["models"][0]
+
     @property
     def replays(self) -> int:
         """Training steps (optimizer steps, micro-batches included) replayed; evaluation calls not counted."""
@@ -154,6 +175,7 @@ class ModelReport:
 
 # ------------------------------------------------------------------ summary
 _ANCHOR = re.compile(r" at (?:\S+:\d+|<unknown>)\. ")
+_SITE = "; raised at "  # what capture_guard.site_text puts before the line that raised
 
 
 def split_violations(text: str) -> list[str]:
@@ -192,7 +214,11 @@ def reason_items(text: str, world_size: int = 0) -> list[str]:
 
 def brief(item: str, limit: int = 200) -> str:
     """One reason in about one sentence: ``what at file:line. fix`` without the
-    examples in brackets, or the text cut near ``limit`` at a clause boundary."""
+    examples in brackets, or the text cut near ``limit`` at a clause boundary.
+    A failed capture's ``"; raised at file:line ..."`` is kept whole after the cut."""
+    site = item.find(_SITE)
+    if site > 0:
+        return brief(item[:site], limit) + item[site:]
     anchor = _ANCHOR.search(item)
     if anchor:
         what = _drop_brackets(item[:anchor.start()])
@@ -255,13 +281,14 @@ def _event_groups(events: list[dict]) -> list[dict]:
         g = groups.setdefault((e["event"], _NUMBER.sub("#", base)), {
             "event": e["event"], "detail": base, "varies": False, "count": 0, "signatures": [],
             "first_iteration": e["iteration"], "last_iteration": e["iteration"], "outcome": "",
-            "last_detail": "",
+            "last_detail": "", "where": "",
         })
         g["varies"] = g["varies"] or g["detail"] != base
         g["detail"] = base
         g["count"] += 1
         g["last_iteration"] = e["iteration"]
         g["last_detail"] = detail
+        g["where"] = e.get("where") or failure_where(detail)
         g["outcome"] = outcome.group(1) if outcome else ""
         if e.get("inputs", "") not in g["signatures"]:
             g["signatures"].append(e.get("inputs", ""))
@@ -275,7 +302,8 @@ def _eager_reasons(m: ModelReport, graphs: list[GraphReport] | None = None) -> l
         if g.phase != "eager" or not g.reason:
             continue
         r = out.setdefault(g.reason, {"reason": g.reason, "short": "", "items": [], "fix": "",
-                                      "signatures": 0, "steps": 0, "invalidations": 0})
+                                      "where": failure_where(g.reason), "signatures": 0, "steps": 0,
+                                      "invalidations": 0})
         r["signatures"] += 1
         r["steps"] += g.eager_iterations
         base, prefix = g.reason, ""
@@ -302,9 +330,10 @@ def summarize(m: ModelReport) -> dict:
     eager included); ``replay_ms``/``eager_ms``/``speedup``: the timed selection
     of the signature with the most replays, or None; ``precision``;
     ``eager_reasons``: [{reason, short (about one sentence), items (the reason's
-    parts, each once), fix, signatures, steps, invalidations}];
+    parts, each once), fix, where (the ``file:line`` that raised, for a failed
+    capture; else ""), signatures, steps, invalidations}];
     ``events``: counted groups [{event, detail, varies, count, signatures,
-    first_iteration, last_iteration, outcome, last_detail}];
+    first_iteration, last_iteration, outcome, last_detail, where}];
     ``stock_backend``; ``tier1_needs``: [reason item] (only while a tier-2 graph is held);
     ``tier2_user_code``: where tier 2 ran your loss and clip ("" without tier 2);
     ``eval``: {calls, replayed, eager, signatures, eager_reasons} of the calls made
@@ -363,8 +392,9 @@ class Report:
         ``amp``, ``optimizer``, ``optimizer_changes``, ``buckets``, ``backend``,
         ``eager_buckets``, ``skipped_steps``, ``compile``, ``accumulation``,
         ``stock_backend``, ``tier1_needs``), ``graphs``: one dict per input
-        signature with the :class:`~pygraph_dist.report.GraphReport` fields, ``events``: the raw event
-        log [{iteration, inputs, event, detail}], and ``summary``: see
+        signature with the :class:`~pygraph_dist.report.GraphReport` fields (``where``: the
+        ``file:line`` that raised when ``reason`` is a failed capture), ``events``: the raw event
+        log [{iteration, inputs, event, detail, where}], and ``summary``: see
         :func:`~pygraph_dist.report.summarize` (steps, replayed, eager, status, tiers, timings,
         precision, eager reasons with fixes, counted events)."""
         return {"models": [{**asdict(m), "summary": summarize(m)} for m in self.models]}

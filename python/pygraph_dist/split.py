@@ -48,7 +48,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.autograd import Variable
 
-from . import agreement
+from . import agreement, host_copies
 from .capture import copy_inputs, varying_paths
 from .capture_guard import _bucket_error, describe_capture_error
 from .graph_cache import GraphEntry, discard
@@ -194,7 +194,8 @@ class SplitGraphs(LaneGraphs):
         error: BaseException | None = None
 
         try:
-            with runner.capturing(fwd, pool), runner.casts():
+            with runner.capturing(fwd, pool), runner.casts(), \
+                    host_copies.substituting(runner.host_watch, entry):
                 args_, kwargs_ = static
                 loss, out = step.forward(args_, kwargs_, sync=True, need_loss=False)
             tensors = output_tensors(out)
@@ -250,6 +251,7 @@ class SplitGraphs(LaneGraphs):
         if error is not None:
             reducer.abandon()
         reason, retryable = describe_capture_error(error)
+        reason, retryable = host_copies.capture_failed(runner.host_watch, entry, error, reason, retryable)
         if isinstance(error, LaneCaptureError):
             reason, retryable = str(error), True
         paths = varying_paths(entry.unused_seen) if error is None else ""

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from . import host_copies
 from ._ext import C
 from .conformance import Mode
 from .graph_cache import GraphEntry
@@ -39,7 +40,8 @@ class Tier2Calls:
             if not entry.first_seen_s:
                 entry.first_seen_s = time.perf_counter()
             entry.warmups += 1
-            out = self._user_forward(args, kwargs, probe=False)
+            with host_copies.observing(self.runner.host_watch, entry):
+                out = self._user_forward(args, kwargs, probe=False)
             return self.split.record(entry, out) if self._lane_eligible() else out
         if phase == Phase.CAPTURE:
             if self.reducer.eager_buckets:
@@ -56,6 +58,15 @@ class Tier2Calls:
                                     no_sync_variant=self.loop.saw_no_sync or self.accum.k > 1)
             if not ok:
                 return self._user_forward(args, kwargs, probe=False)
+        elif entry.host_copies is not None and host_copies.check_due(entry):
+            # Check mode (host_copies.py): this step as written, its host copies compared.
+            if leaves is None:  # matched by the guard, which holds the call's tensors
+                entry.guard.discard()
+            with host_copies.verifying(entry) as session:
+                out = self._user_forward(args, kwargs, probe=False)
+            host_copies.conclude_check(session, entry, self.cache, self.iteration, group=self.group,
+                                       device=self.agree_device, collective=True, rank=self.rank)
+            return out
         out = self._split_forward(entry, leaves)
         return out if out is not None else self._user_forward(args, kwargs, probe=False)
 

@@ -154,6 +154,7 @@ class EngineWiring:
         # (inductor makes its own casts; a dispatch mode must not meet dynamo);
         # PYGRAPH_DIST_FAST_CASTS=0 records torch's own copies.
         self.runner.watch_generators = not self.compiled
+        self.runner.host_watch.enabled = self.graphs_possible and not self.compiled  # host_copies.py
         self.runner.widening = (self.graphs_possible and not self.compiled
                                 and os.environ.get("PYGRAPH_DIST_FAST_CASTS", "1") != "0"
                                 and kernels.widening_ready(self.device))

@@ -230,7 +230,9 @@ class PGDStrategy(DDPStrategy):
     ``training_step``'s arguments, ...); ``amp`` and ``max_grad_norm`` come from
     the Trainer's ``precision`` and ``gradient_clip_val``. ``fit`` ends with a
     teardown that releases the graphs; ``strategy.last_report`` is
-    ``pygraph_dist``'s report of this model just before it (tiers, replays)."""
+    ``pygraph_dist``'s report of this model just before it (tiers, replays): a
+    :class:`~pygraph_dist.report.ModelReport`, which ``print()`` shows as the
+    text of ``pygraph_dist.report()``."""
 
     strategy_name = NAME
 
@@ -250,7 +252,7 @@ class PGDStrategy(DDPStrategy):
         self.logged = LoggedCalls(pl.LightningModule.log)
         self.graphed: pgd.GraphedModule | None = None
         self.engine = None  # kept after teardown, so that report() still lists this model
-        self.last_report = None  # engine.describe() just before teardown (end of fit)
+        self.last_report = None  # engine.describe() just before teardown (end of fit); prints as text
         self.ignored_positions: set[int] = set()
         self._amp_in_engine = False
         self._manual = False  # automatic_optimization = False (_route_forward)
