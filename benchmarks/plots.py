@@ -10,6 +10,9 @@
   <stem>-noisy.png       p50 and p99 ms/it at baseline and under noisy neighbours, per mode
   <stem>-cdf.png         iteration-time CDF with and without host jitter (ddp vs pgd)
 
+plot_coverage() draws coverage.py's results (<stem>-coverage.png: speed and
+memory against DDP per model, coloured by tier); coverage.py --replot redraws it.
+
 All at the largest world size of the results; a plot whose cells are missing is
 not drawn. Cells written before loops existed count as the inside loop.
 """
@@ -197,6 +200,74 @@ def plot_all(result: dict, stem: Path) -> list[Path]:
         save(fig, "cdf")
     return out
 
+
+TIER_COLORS = {"1": "#2ca02c", "2": "#98df8a", "eager": "#d62728"}  # coverage.py rows; other states grey
+TIER_LABELS = {"1": "tier 1 (one graph per step)", "2": "tier 2 (graphs per phase)", "eager": "eager"}
+
+
+def plot_coverage(result: dict, stem: Path) -> list[Path]:
+    """``coverage.py``'s results: per world size, pygraph_dist's speed over eager
+    DDP per model (log scale, bars from 1 = DDP, coloured by the tier that ran)
+    and its peak reserved memory over DDP's (dashed: DDP + 10%). Models that did
+    not run are labelled with their status. Writes ``<stem>-coverage.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    rows = result.get("rows", [])
+    sizes = sorted({r["world_size"] for r in rows})
+    if not sizes:
+        return []
+    env = result.get("environment", {})
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, 2 * len(sizes), figsize=(4.6 * len(sizes) + 3.0, max(3.0, 1.4 + 0.19 * len(models))),
+                             squeeze=False, sharey=True, gridspec_kw={"width_ratios": [3, 2] * len(sizes)})
+    for k, n in enumerate(sizes):
+        here = {r["model"]: r for r in rows if r["world_size"] == n}
+        for ax, key, ref, title in ((axes[0][2 * k], "speedup", 1.0, f"N={n}: speed over eager DDP (x)"),
+                                    (axes[0][2 * k + 1], "mem_ratio", 1.1, f"N={n}: peak reserved / DDP's")):
+            values = [here[m][key] for m in models if m in here and key in here[m]]
+            for y, m in enumerate(models):
+                r = here.get(m)
+                if r is None or key not in r:
+                    why = "not run" if r is None else r["status"] if r["status"] != "ok" else "not measured"
+                    ax.text(ref, y, f" {why}", va="center", fontsize=6, color="#555555")
+                    continue
+                color = TIER_COLORS.get(r.get("pgd_tier"), "#999999")
+                if key == "speedup":  # from 1 (DDP) to the value: right is faster, left slower
+                    ax.barh(y, r[key] - 1.0, left=1.0, color=color, height=0.75)
+                else:
+                    ax.barh(y, r[key], color=color, height=0.75)
+                ax.text(r[key], y, f" {r[key]:.2f}", va="center", fontsize=6,
+                        ha="left" if r[key] >= ref or key != "speedup" else "right")
+            ax.axvline(ref, color="black", lw=0.8, ls="--")
+            if key == "speedup":
+                ax.set_xscale("log")
+                lo, hi = min(values + [0.8]), max(values + [1.25])
+                ax.set_xlim(lo / 1.3, hi * 1.5)
+                ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+                ax.xaxis.set_major_formatter(ScalarFormatter())
+                ax.xaxis.set_minor_formatter(NullFormatter())
+            else:
+                ax.set_xlim(0, max(values + [1.2]) * 1.25)
+            ax.set_title(title, fontsize=8)
+            ax.tick_params(axis="x", labelsize=7)
+            ax.grid(axis="x", alpha=0.3)
+    axes[0][0].set_yticks(range(len(models)), models, fontsize=7)
+    axes[0][0].set_ylim(len(models) - 0.5, -0.5)
+    handles = [Patch(color=c, label=TIER_LABELS[t]) for t, c in TIER_COLORS.items()] + \
+        [Patch(color="#999999", label="other (warming up, no steps)")]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.suptitle(f"Coverage corpus: {len(models)} model classes, {env.get('gpu', 'CPU')}, torch {env.get('torch')}",
+                 fontsize=9)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.97))
+    path = Path(f"{stem}-coverage.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
 
 if __name__ == "__main__":
     src = Path(sys.argv[1])
