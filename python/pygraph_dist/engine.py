@@ -21,18 +21,7 @@ branch of :meth:`Engine.run`:
 * **replay**: inputs copied into static buffers, one launch, a fresh loss.
 * **eager**: training as written, for good; the reason is in ``report()``.
 
-Module map: :mod:`wiring` (the parts, built at ``wrap()``), :mod:`probe` (the
-loop as written and the probe's verdict), :mod:`split_calls` (tier 2's calls),
-:mod:`split_clip` (tier 2's clip as a graph), :mod:`loss_lane`
-(tier 2's loss in the backward graph),
-:mod:`engine_state` (report, teardown, checkpoint loads), :mod:`config`
-(wrap()'s arguments), :mod:`step` (what an iteration does), :mod:`capture`
-(warm-up → capture → agree → replay → select), :mod:`graph_cache`
-(signatures, graphs, drift, limits), :mod:`fast_lane` (the steady state's
-guard), :mod:`conformance` (the loop's state and its rule), :mod:`agreement`
-(every decision all ranks share), :mod:`lifetime` (teardown before the
-process group goes), :mod:`reducer`, :mod:`optim`, :mod:`amp`,
-:mod:`monitor`, :mod:`watchdog`, :mod:`report`. This module keeps the hot
+Module map: docs/design.md, a line per module. This module keeps the hot
 path: :meth:`Engine.run` → :meth:`Engine._train_call` (guard match → key →
 drift → ``begin_iteration`` → warm-up / capture / replay / tier 2), the
 hand-out, and the optimizer's ``step()`` and ``zero_grad()``.
@@ -238,8 +227,11 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         if phase == Phase.CAPTURE:
             return self._hand_out(self.runner.capture(entry, args, kwargs, iteration=self.iteration,
                                                       state_version=self.opt_state_version))
-        if entry.host_copies is not None and host_copies.check_due(entry):
-            return self._hand_out(self._check_host_copies(entry, args, kwargs, leaves))
+        if entry.host_copies is not None and host_copies.check_due(entry):  # check mode
+            return self._hand_out(host_copies.run_checked(
+                entry, lambda: self.runner.run_owned(self.step.to_device(args, kwargs)), cache=self.cache,
+                iteration=self.iteration, leaves=leaves, group=self.group, device=self.agree_device,
+                collective=True, rank=self.rank))
         if not self._selecting(entry):
             return self._hand_out(self.runner.replay(entry, leaves, iteration=self.iteration))
         with self.runner.timed(entry.replay_times, True):
@@ -280,17 +272,6 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         self.loop.mode = Mode.OWNED
         self.loop.handed_out(fresh)
         return hand_out_outputs(result[1], result[0], fresh)  # the loss, or (HF) the loss and logits
-
-    def _check_host_copies(self, entry: GraphEntry, args: tuple, kwargs: dict, leaves):
-        """Check mode (host_copies.py): this iteration eagerly, its host copies
-        compared with the ones the graph replays; the graphs go when they differ."""
-        if leaves is None:  # matched by the guard, which holds the call's tensors
-            entry.guard.discard()
-        with host_copies.verifying(entry) as session:
-            result = self.runner.run_owned(self.step.to_device(args, kwargs))
-        host_copies.conclude_check(session, entry, self.cache, self.iteration, group=self.group,
-                                   device=self.agree_device, collective=True, rank=self.rank)
-        return result
 
     def _guard_match(self, args: tuple, kwargs: dict) -> GraphEntry | None:
         """The entry replayed last, if this call has its signature (InputGuard)."""

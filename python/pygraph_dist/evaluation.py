@@ -83,8 +83,9 @@ class EvalGraphs:
         phase = entry.policy.begin_iteration()
         entry.last_used = eng.iteration
         if phase == Phase.REPLAY:
-            if entry.host_copies is not None and host_copies.check_due(entry):
-                return self._check_host_copies(entry, args, kwargs)
+            if entry.host_copies is not None and host_copies.check_due(entry):  # check mode: this rank alone
+                return host_copies.run_checked(entry, lambda: eng.step.evaluate(args, kwargs), cache=eng.cache,
+                                               iteration=eng.iteration, collective=False, rank=eng.rank)
             return self._replay(entry, leaves)
         if phase == Phase.CAPTURE:
             out = self._capture(entry, args, kwargs)
@@ -199,16 +200,6 @@ class EvalGraphs:
         return map_outputs(out, _fresh)
 
     # --------------------------------------------------------------- replay
-    def _check_host_copies(self, entry: GraphEntry, args, kwargs):
-        """Check mode (host_copies.py): this call eagerly, its host copies compared
-        with the ones the graph replays; the graph goes when they differ (this rank
-        alone: evaluation takes no collective)."""
-        eng = self.engine
-        with host_copies.verifying(entry) as session:
-            out = eng.step.evaluate(args, kwargs)
-        host_copies.conclude_check(session, entry, eng.cache, eng.iteration, collective=False, rank=eng.rank)
-        return out
-
     def _replay(self, entry: GraphEntry, leaves: list):
         for static, leaf in zip(entry.static_leaves, leaves):
             if isinstance(leaf, torch.Tensor) and leaf is not static:

@@ -58,15 +58,11 @@ class Tier2Calls:
                                     no_sync_variant=self.loop.saw_no_sync or self.accum.k > 1)
             if not ok:
                 return self._user_forward(args, kwargs, probe=False)
-        elif entry.host_copies is not None and host_copies.check_due(entry):
-            # Check mode (host_copies.py): this step as written, its host copies compared.
-            if leaves is None:  # matched by the guard, which holds the call's tensors
-                entry.guard.discard()
-            with host_copies.verifying(entry) as session:
-                out = self._user_forward(args, kwargs, probe=False)
-            host_copies.conclude_check(session, entry, self.cache, self.iteration, group=self.group,
-                                       device=self.agree_device, collective=True, rank=self.rank)
-            return out
+        elif entry.host_copies is not None and host_copies.check_due(entry):  # check mode: the step as written
+            return host_copies.run_checked(
+                entry, lambda: self._user_forward(args, kwargs, probe=False), cache=self.cache,
+                iteration=self.iteration, leaves=leaves, group=self.group, device=self.agree_device,
+                collective=True, rank=self.rank)
         out = self._split_forward(entry, leaves)
         return out if out is not None else self._user_forward(args, kwargs, probe=False)
 

@@ -596,6 +596,25 @@ def test_check_mode_verifies_every_nth_replay_and_drops_a_changed_graph(monkeypa
     assert cache.events[0][0] == "host copies changed"
 
 
+def test_run_checked_runs_the_iteration_and_drops_changed_graphs(monkeypatch):
+    """The engine's, tier 2's and evaluation's check-mode branch: the iteration
+    runs as written (its result handed back), the guard lets go of a matched
+    call's tensors, and copies that moved release the entry's graphs."""
+    monkeypatch.setenv(hc.CHECK_ENV, "1")
+    w, e = watch(), Entry()
+    e.description, e.policy = "x", _Policy()
+    discarded = []
+    e.guard = SimpleNamespace(discard=lambda: discarded.append(True))
+    observe(w, e, lambda: step_mask(1))
+    cache = _Cache()
+    assert hc.run_checked(e, lambda: (step_mask(1), "out")[1], cache=cache, iteration=5, leaves=[1],
+                          collective=False) == "out"
+    assert not cache.released and not discarded
+    assert hc.run_checked(e, lambda: (step_mask(2), "out2")[1], cache=cache, iteration=6, leaves=None,
+                          collective=False) == "out2"
+    assert discarded == [True] and cache.released == [e] and "changed since the capture" in e.policy.reason
+
+
 def test_check_mode_off_or_without_copies():
     w, e = watch(), Entry()
     observe(w, e, forward_mask)
