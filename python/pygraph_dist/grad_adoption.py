@@ -13,10 +13,11 @@ gradient with ``Tensor.set_``. Every holder of a view -- ``.grad``, the C++
 view is the gradient the graph writes on every replay; eager iterations and
 later captures copy into the views as before, by the foreach copy (the views
 no longer sit side by side in one buffer). Training is bitwise the same: the
-same values, not copied. The flat buffers stay: the capture recorded the
-world-size-1 all-reduce on them (nothing moves, but NCCL is handed their
-address), so they must outlive the graph; peak reserved memory is the
-recipe's either way, since it keeps its warm-up gradients' memory too.
+same values, not copied. A flat buffer all of whose views moved is then
+freed (its storage resized to nothing; about 0.5 GB at GPT-2 small) and
+grown again, zeroed, when the views go back; where the graph recorded the
+world-size-1 all-reduce on the buffers (``PYGRAPH_DIST_SOLO_ALLREDUCE=1``:
+NCCL was handed their address) they stay.
 
 A capture adopts only where nothing else could read the views it moves: no
 other live graph of the model (the cache's entries; tier 2's clip graph is
@@ -38,7 +39,7 @@ import torch
 
 
 class GradAdoption:
-    __slots__ = ("enabled", "pending", "moved", "slots")
+    __slots__ = ("enabled", "pending", "moved", "slots", "freed")
 
     def __init__(self, world_size: int, dense_graph_buckets_only: bool) -> None:
         self.enabled = (world_size == 1 and dense_graph_buckets_only
@@ -47,6 +48,7 @@ class GradAdoption:
         self.pending: dict[int, torch.Tensor] | None = None
         self.moved = False  # the views are a graph's gradients, not slices of the buffers
         self.slots: dict[int, torch.Tensor] = {}  # index -> the view's bucket slot (an alias)
+        self.freed: list[tuple[torch.Tensor, int]] = []  # (flat buffer, its bytes) while freed
 
     def begin(self) -> None:
         """The capture about to record a backward may keep its gradients."""
@@ -75,9 +77,10 @@ class GradAdoption:
         self.pending = None
         return False
 
-    def commit(self, views: list) -> bool:
+    def commit(self, views: list, free: tuple[list, list] | None = None) -> bool:
         """The capture was accepted: each adopted gradient becomes its view's
-        memory. Whether any moved."""
+        memory; ``free``: (flat buffers, parameter indices per bucket) to free
+        where every view left them (:meth:`free_buffers`). Whether any moved."""
         pending, self.pending = self.pending, None
         if not pending:
             return False
@@ -86,17 +89,46 @@ class GradAdoption:
                 self.slots.setdefault(i, views[i].detach())  # its own TensorImpl: set_ leaves it
                 views[i].set_(grad)
         self.moved = True
+        if free is not None:
+            self.free_buffers(*free)
         return True
+
+    def free_buffers(self, buffers: list, bucket_params: list) -> int:
+        """After :meth:`commit`: free each flat buffer none of whose views is in
+        it any more (nothing reads it until :meth:`restore`). Bytes freed."""
+        full = [buf for buf, idx in zip(buffers, bucket_params)
+                if buf is not None and idx and all(i in self.slots for i in idx)]
+        if not full:
+            return 0
+        if full[0].is_cuda:
+            torch.cuda.synchronize()  # an eager iteration's copies into them may still run
+        for buf in full:
+            storage = buf.untyped_storage()
+            self.freed.append((buf, storage.nbytes()))
+            storage.resize_(0)  # the slots alias this storage: they grow back with it
+        return sum(n for _, n in self.freed)
+
+    def describe(self) -> str:
+        if not self.moved:
+            return ""
+        freed = sum(n for _, n in self.freed)
+        return ("; world size 1: .grad is the graph's own gradients (no copies"
+                + (f"; flat buckets freed, {freed / 2**20:.1f} MiB)" if freed else ")"))
 
     def restore(self, views: list) -> bool:
         """The views back in their bucket slots, with their values (the graph
-        that wrote them is gone). Whether any moved back."""
+        that wrote them is gone); freed buffers grown again first, zeroed.
+        Whether any moved back."""
         if not self.moved:
             return False
         cuda = any(v.is_cuda for v in self.slots.values())
         if cuda:
             torch.cuda.synchronize()  # the last replay may still be writing them; rare
         with torch.no_grad():
+            for buf, nbytes in self.freed:
+                buf.untyped_storage().resize_(nbytes)
+                buf.zero_()  # the gaps between slots too
+            self.freed.clear()
             for i, slot in self.slots.items():
                 slot.copy_(views[i])
                 views[i].set_(slot)

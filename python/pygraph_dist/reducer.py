@@ -196,8 +196,7 @@ class GradientReducer:
         if any(c is not None for c in self.comm):
             tail += (f"; all-reduced in {str(self.comm_dtype).replace('torch.', '')}"
                      f"{' (casts: Triton kernels)' if self.cast_backend == 'triton' else ''}")
-        if self.adoption.moved:
-            tail += "; world size 1: .grad is the graph's own gradients (no copies)"
+        tail += self.adoption.describe()
         return (
             f"{len(sizes)} buckets, {sum(sizes) / 2**20:.1f} MiB in all "
             f"(largest {max(sizes) / 2**20:.1f} MiB){tail}"
@@ -427,7 +426,8 @@ class GradientReducer:
 
     def commit_adoption(self) -> None:
         """An accepted capture's gradients become the views, ``.grad`` the views (grad_adoption.py)."""
-        if self.adoption.commit(self.views):
+        # Solo: no all-reduce was recorded on the flat buffers, nothing reads them once the views moved.
+        if self.adoption.commit(self.views, (self.buffers, self.bucket_params) if self._solo else None):
             self._views_moved()
             self.expose_grads()
 

@@ -350,6 +350,8 @@ def adopted_gradients(steps=6, adopt_at=2, unused_at=-1, restore_at=4):
                     any(b.data_ptr() <= v.data_ptr() < b.data_ptr() + b.numel() * b.element_size()
                         for b in reducer.buffers) for v in reducer.views)
                 log["restored_values"] = all(torch.equal(x, p.grad) for x, p in zip(before, reducer.params))
+                log["regrown"] = all(b.untyped_storage().nbytes() == b.numel() * b.element_size()
+                                     for b in reducer.buffers)
             opt.zero_grad(set_to_none=True)
             adopting = adopt and step == adopt_at
             if adopting:
@@ -368,6 +370,7 @@ def adopted_gradients(steps=6, adopt_at=2, unused_at=-1, restore_at=4):
                 log["views_are_grads"] = all(v.data_ptr() == g.data_ptr() for v, g in zip(reducer.views, grads))
                 log["grad_is_view"] = all(p.grad is v for p, v in zip(reducer.params, reducer.views))
                 log["describe"] = reducer.describe()
+                log["freed"] = [b.untyped_storage().nbytes() == 0 for b in reducer.buffers]
                 owned = model.engine.owned_storages()
                 log["grads_owned"] = all(storage_ptr(g) in owned for g in grads)
             opt.step()
@@ -393,13 +396,17 @@ def test_world_size_1_adopts_the_captured_gradients(ranks, unused):
     assert on["after_views"] and r["off"]["after_views"], r
     if unused:  # copied into the views inside the backward, as without adoption
         assert on["kept"] == [False] * 12 and on["moved"] is False, on
+        assert not any(on["freed"]), on
         assert on["grad_is_view"], on
     else:
         assert on["kept"] == [True] * 12, on
         assert on["moved"] and on["views_are_grads"] and on["grad_is_view"], on
         assert ".grad is the graph's own gradients" in on["describe"], on["describe"]
         assert on["grads_owned"], on  # the loop monitor still sees them as the engine's
-        assert on["restored"] and on["restored_values"], on
+        # Nothing reads the flat buffers once every view left them: freed, and grown back at restore.
+        assert on["freed"] == [True] * len(on["freed"]) and len(on["freed"]) > 1, on
+        assert "flat buckets freed" in on["describe"], on["describe"]
+        assert on["restored"] and on["restored_values"] and on["regrown"], on
         assert on["moves"] == 2, on  # commit and restore: graphs that read the old views go
 
 
@@ -487,6 +494,7 @@ def gpu_adoption(steps=30, reload_at=15):
             "captures": len([e for e in rep.events if e["event"] == "captured"]),
             "buckets": rep.buckets, "in_buffers": in_buffers, "moved": reducer.adoption.moved,
             "grad_is_view": all(p.grad is v for p, v in zip(reducer.params, reducer.views)),
+            "freed": sum(b.untyped_storage().nbytes() == 0 for b in reducer.buffers if b is not None),
         }
         # No graph live any more: adopted views go back to their bucket slots, values kept.
         grads = out[label]["grads"]
@@ -523,6 +531,8 @@ def test_world_size_1_graph_gradients_are_the_grads_on_gpu(ranks):
     assert a["moved"] and a["in_buffers"] == 0, a  # .grad is the graph's memory, not a bucket's
     assert a["restored"] and c["restored"], r  # no graph left: back in the buckets
     assert "no copies" in a["buckets"], a["buckets"]
+    assert a["freed"] > 0 and "flat buckets freed" in a["buckets"], a  # nothing reads them any more
+    assert i["freed"] == 0 and c["freed"] == 0, r  # an all-reduce recorded on them; or nothing moved
     assert not c["moved"] and c["in_buffers"] > 0, c  # the copies: .grad in the buckets
 
 
