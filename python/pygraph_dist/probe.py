@@ -42,8 +42,8 @@ class ProbeCalls:
         Returns what the module returns."""
         if self.loop.owned and self.loop.zeroed_since_step:
             self.step.clear_grads()  # the user's zero_grad() was a no-op during owned iterations
-        self.loop.user_forward(probe=probe,
-                               grads_present=any(p.grad is not None for p in self.reducer.params))
+        # Only a probe checks for gradients left from the last step (a C++ loop: reducer.all_grads_none).
+        self.loop.user_forward(probe=probe, grads_present=probe and not self.reducer.all_grads_none())
         args, kwargs = self.step.to_device(args, kwargs)
         watcher = None
         if probe and self.ignored and not self.compiled:
