@@ -74,6 +74,7 @@ PACKAGES = ("torch", "torchvision", "timm", "transformers", "accelerate", "light
 FAILURE_EVENTS = ("capture failed", "invalidated", "not selected", "not kept")
 WHERE = re.compile(r"([\w./\\<>-]+\.py):(\d+)")
 MEM_SLACK = 1.10   # issue 47: pgd's peak reserved within DDP's + 10%
+EAGER_PARITY = 0.98  # issue 47: wrap(..., graphs=False) at >= 0.98x DDP
 
 
 # =========================================================================== modes
@@ -93,7 +94,17 @@ class CorpusPGD(_Corpus, PyGraphDist):
     pass
 
 
-MODES = (("ddp", CorpusDDP), ("pgd", CorpusPGD))
+class CorpusPGDEager(CorpusPGD):
+    """pygraph_dist with ``wrap(..., graphs=False)``: the engine (reducer, AMP,
+    checks) without graphs, what every step of a model that does not capture
+    runs (issue 47: eager parity with DDP)."""
+
+    def wrap_kwargs(self) -> dict:
+        return {"graphs": False}
+
+
+MODES = (("ddp", CorpusDDP), ("pgd", CorpusPGD), ("pgd_eager", CorpusPGDEager))
+DEFAULT_MODES = "ddp,pgd"
 
 
 # =========================================================================== report
@@ -194,7 +205,7 @@ def run_mode(name: str, cls, entry: Entry, batches: list, ctx: dict, args) -> tu
         if cuda:
             torch.cuda.synchronize()
         out["setup_s"] = time.perf_counter() - t0
-        if name == "pgd":
+        if name.startswith("pgd"):
             before = pgd_counts(latest_report())
 
         def step(batch):
@@ -204,7 +215,7 @@ def run_mode(name: str, cls, entry: Entry, batches: list, ctx: dict, args) -> tu
             return loss
 
         times = timed_loop(step, batches, args.steps, Condition(), rank, cuda)
-        if name == "pgd":
+        if name.startswith("pgd"):
             out.update(pgd_fields(latest_report(), before))
     except Exception as exc:  # noqa: BLE001 - a failing mode is a result
         err = _error_text(exc)
@@ -250,21 +261,24 @@ def run_model(entry: Entry, ctx: dict, args) -> tuple[dict, bool]:
     except Exception as exc:  # noqa: BLE001
         return dict(row, status="error", reason="batch: " + _error_text(exc)), True
     healthy = True
-    for name, cls in MODES:
+    modes = [(n, cls) for n, cls in MODES if n in args.modes.split(",")]
+    for name, cls in modes:
         fields, healthy = run_mode(name, cls, entry, batches, ctx, args)
         row.update(fields)
         if not healthy:
             break
     del batches
-    ok = [row.get(f"{n}_status") == "ok" for n, _ in MODES]
+    ok = [row.get(f"{n}_status") == "ok" for n, _ in modes]
     row["status"] = "ok" if all(ok) else "error"
     if not all(ok):
-        row["reason"] = "; ".join(f"{n}: {row[f'{n}_error']}" for n, _ in MODES if f"{n}_error" in row) or \
+        row["reason"] = "; ".join(f"{n}: {row[f'{n}_error']}" for n, _ in modes if f"{n}_error" in row) or \
             "not run: the process was unhealthy"
     if all(ok):
-        row["speedup"] = row["ddp_ms_per_it"] / row["pgd_ms_per_it"]
-        if row.get("ddp_rsv_gib"):
-            row["mem_ratio"] = row["pgd_rsv_gib"] / row["ddp_rsv_gib"]
+        for name, suffix in (("pgd", ""), ("pgd_eager", "_eager")):
+            if f"{name}_ms_per_it" in row:
+                row["speedup" + suffix] = row["ddp_ms_per_it"] / row[f"{name}_ms_per_it"]
+                if row.get("ddp_rsv_gib"):
+                    row["mem_ratio" + suffix] = row[f"{name}_rsv_gib"] / row["ddp_rsv_gib"]
     row["wall_s"] = time.perf_counter() - t0
     return row, healthy
 
@@ -329,11 +343,16 @@ def progress(row: dict) -> str:
     head = f"{row['model']:<26}"
     if row["status"] != "ok":
         return f"{head} {row['status']}: {row.get('reason', '')[:160]}"
-    text = (f"{head} ddp {row['ddp_ms_per_it']:7.2f} ms  pgd {row['pgd_ms_per_it']:7.2f} ms  "
-            f"{row['speedup']:5.2f}x  tier {row.get('pgd_tier', '?'):<5} "
-            f"replayed {100 * row.get('pgd_replay_share', 0):3.0f}%")
+    text = f"{head} ddp {row['ddp_ms_per_it']:7.2f} ms"
+    if "speedup" in row:
+        text += (f"  pgd {row['pgd_ms_per_it']:7.2f} ms  {row['speedup']:5.2f}x  tier {row.get('pgd_tier', '?'):<5} "
+                 f"replayed {100 * row.get('pgd_replay_share', 0):3.0f}%")
     if "mem_ratio" in row:
         text += f"  mem {row['mem_ratio']:.2f}x"
+    if "speedup_eager" in row:
+        text += f"  graphs=False {row['pgd_eager_ms_per_it']:7.2f} ms  {row['speedup_eager']:5.2f}x"
+        if "mem_ratio_eager" in row:
+            text += f" mem {row['mem_ratio_eager']:.2f}x"
     if row.get("pgd_reason"):
         text += f"  [{row.get('pgd_where') or '-'}] {row['pgd_reason'][:120]}"
     return text
@@ -361,11 +380,20 @@ COLUMNS = [  # (name, unit, width, row key, format)
     ("x_mem", "x", 5, "mem_ratio", "{:.2f}"), ("tier", "", 5, "pgd_tier", "{}"),
     ("replay", "%", 6, "pgd_replay_share", "{:.0%}"), ("setup", "s", 5, "pgd_setup_s", "{:.1f}"),
 ]
+EAGER_COLUMNS = [  # --modes with pgd_eager: wrap(..., graphs=False) against DDP
+    ("eager", "ms", 8, "pgd_eager_ms_per_it", "{:.3f}"), ("x_eager", "x", 7, "speedup_eager", "{:.2f}"),
+    ("host_eag", "ms", 8, "pgd_eager_host_ms", "{:.3f}"), ("rsv_eag", "GiB", 7, "pgd_eager_rsv_gib", "{:.3f}"),
+]
 
 
-def _line(values: list[str]) -> str:
+def columns(rows: list[dict]) -> list:
+    """The table's columns: pygraph_dist's eager mode only when a row has it."""
+    return COLUMNS + (EAGER_COLUMNS if any("pgd_eager_ms_per_it" in r for r in rows) else [])
+
+
+def _line(values: list[str], cols: list = COLUMNS) -> str:
     return " ".join(f"{v:<{w}}" if i < 2 or name == "tier" else f"{v:>{w}}"
-                    for i, ((name, _, w, _, _), v) in enumerate(zip(COLUMNS, values)))
+                    for i, ((name, _, w, _, _), v) in enumerate(zip(cols, values)))
 
 
 def graphed(row: dict) -> bool:
@@ -379,8 +407,11 @@ def summarize_n(rows: list[dict]) -> dict:
             "skipped": [r["model"] for r in rows if r["status"] == "skipped"],
             "errors": [r["model"] for r in rows if r["status"] not in ("ok", "skipped")],
             "graphed": sum(graphed(r) for r in ran), "not_graphed": [r["model"] for r in ran if not graphed(r)],
-            "at_least_ddp": sum(r["speedup"] >= 1.0 for r in ran),
-            "slower": [r["model"] for r in ran if r["speedup"] < 1.0],
+            "at_least_ddp": sum(r.get("speedup", 0) >= 1.0 for r in ran),
+            "slower": [r["model"] for r in ran if r.get("speedup", 0) < 1.0],
+            "eager_measured": sum("speedup_eager" in r for r in ran),
+            "eager_parity": sum(r.get("speedup_eager", 0) >= EAGER_PARITY for r in ran),
+            "eager_slower": [r["model"] for r in ran if r.get("speedup_eager", EAGER_PARITY) < EAGER_PARITY],
             "memory_measured": len(mem), "memory_within": sum(r["mem_ratio"] <= MEM_SLACK for r in mem),
             "over_memory": [r["model"] for r in mem if r["mem_ratio"] > MEM_SLACK]}
 
@@ -393,14 +424,18 @@ def summary_text(n: int, s: dict) -> str:
             f"{len(s['errors'])} errors or timeouts; graphed (tier 1 or 2) {share(s['graphed'], s['ran'])}; "
             f">= 1.0x DDP {share(s['at_least_ddp'], s['ran'])}; memory <= DDP+10% "
             f"{share(s['memory_within'], s['memory_measured']) if s['memory_measured'] else 'not measured (CPU)'}")
+    if s.get("eager_measured"):
+        text += (f"; graphs=False >= {EAGER_PARITY}x DDP {share(s['eager_parity'], s['eager_measured'])}")
     for label, key in (("not graphed", "not_graphed"), ("slower than DDP", "slower"),
+                       (f"graphs=False under {EAGER_PARITY}x DDP", "eager_slower"),
                        ("over DDP+10%", "over_memory"), ("errors or timeouts", "errors"), ("skipped", "skipped")):
-        if s[key]:
+        if s.get(key):
             text += f"\n#   {label}: {', '.join(s[key])}"
     return text
 
 
 def table(result: dict) -> str:
+    cols = columns(result["rows"])
     env = result.get("environment", {})
     ver = env.get("versions", {})
     head = [
@@ -413,13 +448,13 @@ def table(result: dict) -> str:
         "per-step max over ranks; x_ddp: ddp/pgd; host: host ms per step (median, max over ranks);",
         "# rsv: peak reserved minus reserved at the mode's start (GiB, max over ranks); x_mem: rsv_pgd/rsv_ddp; "
         "tier: pgd report at the end; replay: timed steps replayed; then the first reason [file:line]",
-        "# " + _line([c[0] for c in COLUMNS]),
-        "# " + _line([f"({c[1]})" if c[1] else "" for c in COLUMNS]),
+        "# " + _line([c[0] for c in cols], cols),
+        "# " + _line([f"({c[1]})" if c[1] else "" for c in cols], cols),
     ]
     lines = list(head)
     for r in result["rows"]:
         values = []
-        for _, _, _, key, f in COLUMNS:
+        for _, _, _, key, f in cols:
             v = r.get(key)
             values.append(_fmt(v, f) if isinstance(v, float) else "-" if v is None else str(v))
         note = ""
@@ -427,7 +462,7 @@ def table(result: dict) -> str:
             note = f"{r['status']}: {r.get('reason', '')}"
         elif r.get("pgd_reason"):
             note = f"[{r.get('pgd_where') or '-'}] {r['pgd_reason']}"
-        lines.append("  " + _line(values) + (f"  {note[:240]}" if note else ""))
+        lines.append("  " + _line(values, cols) + (f"  {note[:240]}" if note else ""))
     lines.append("")
     for n, s in sorted(result.get("summary", {}).items(), key=lambda kv: int(kv[0])):
         lines.append(summary_text(int(n), s))
@@ -474,6 +509,7 @@ def launch(args, n: int, names: list[str], out: Path, result: dict) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                str(Path(__file__)), "--worker", "--part", str(part), "--models", ",".join(todo),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+               "--modes", args.modes,
                "--device", args.device, "--deadline", str(deadline)]
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         why = ""
@@ -517,6 +553,8 @@ def main(argv=None) -> int:
                    "family prefix (resnet18); default: all")
     p.add_argument("--list", action="store_true", help="print the corpus and exit")
     p.add_argument("--world-sizes", default="1", help="comma list, e.g. 1,2 (one torchrun each; default 1)")
+    p.add_argument("--modes", default=DEFAULT_MODES, help="comma list of ddp, pgd and pgd_eager "
+                   "(wrap(..., graphs=False)); ddp is always run first, as the reference (default ddp,pgd)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per mode (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="steps after each mode's setup, before timing (default 5)")
     p.add_argument("--batch", type=int, default=0, help="per-GPU batch for every model (default: each model's)")
@@ -535,6 +573,10 @@ def main(argv=None) -> int:
     p.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    unknown = set(args.modes.split(",")) - {n for n, _ in MODES}
+    if unknown:
+        p.error(f"unknown --modes {sorted(unknown)}; choose from {[n for n, _ in MODES]}")
+    args.modes = ",".join(n for n, _ in MODES if n == "ddp" or n in args.modes.split(","))
     names = select(args.models)
 
     if args.list:

@@ -56,6 +56,7 @@ class Entry:
     loop: Callable                                         # (m, batch) -> loss
     batch: int
     requires: tuple[str, ...] = ()
+    named_only: bool = False   # run only when named exactly (--models hf_albert_default): not in "all" or globs
 
     def missing(self) -> list[str]:
         return [m for m in self.requires if importlib.util.find_spec(m) is None]
@@ -250,14 +251,15 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=256, num_attention_heads=4, intermedia
 DECODER = dict(TEXT, num_hidden_layers=4, num_key_value_heads=2)   # Llama-style, grouped-query attention
 
 
-def _hf(name: str, model_cls: str, config_cls: str, make_batch, batch: int = TEXT_BATCH, **config) -> None:
+def _hf(name: str, model_cls: str, config_cls: str, make_batch, batch: int = TEXT_BATCH, named_only: bool = False,
+        **config) -> None:
     def build() -> nn.Module:
         import transformers
 
         return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
 
     register(Entry(name=f"hf_{name}", family="transformers", what=f"transformers.{model_cls}", build=build,
-                   make_batch=make_batch, loop=loop_hf, batch=batch, requires=("transformers",)))
+                   make_batch=make_batch, loop=loop_hf, batch=batch, requires=("transformers",), named_only=named_only))
 
 
 _hf("bert", "BertForMaskedLM", "BertConfig", mlm_batch, num_hidden_layers=2, **TEXT)
@@ -275,6 +277,11 @@ _hf("albert", "AlbertForMaskedLM", "AlbertConfig", mlm_batch, embedding_size=128
 _hf("mpnet", "MPNetForMaskedLM", "MPNetConfig", mlm_batch, num_hidden_layers=2, **TEXT)
 _hf("gpt2", "GPT2LMHeadModel", "GPT2Config", clm_batch, vocab_size=VOCAB, n_embd=256, n_layer=4, n_head=4,
     n_positions=512, bos_token_id=1, eos_token_id=2)
+# Large, compute-bound at this batch (issue 47), run only when named: ALBERT's default
+# config (albert-xxlarge's shape: 223M parameters shared by 12 layers) and GPT-2 medium (355M).
+_hf("albert_default", "AlbertForMaskedLM", "AlbertConfig", mlm_batch, named_only=True)
+_hf("gpt2_medium", "GPT2LMHeadModel", "GPT2Config", clm_batch, named_only=True, n_embd=1024, n_layer=24, n_head=16,
+    bos_token_id=1, eos_token_id=2)
 _hf("llama", "LlamaForCausalLM", "LlamaConfig", clm_batch, **DECODER)
 _hf("mistral", "MistralForCausalLM", "MistralConfig", clm_batch, **DECODER)
 _hf("qwen2", "Qwen2ForCausalLM", "Qwen2Config", clm_batch, **DECODER)
@@ -362,11 +369,54 @@ class RNNWordLM(nn.Module):
         return F.log_softmax(decoded, dim=1), hidden
 
 
+class TrimmedEncoder(nn.Module):
+    """A text classifier that trims the padded batch to its longest sequence
+    first (``int(attention_mask.sum(1).max())``, a host read of a device value
+    that differs from batch to batch), as many hand-written NLP loops do: a
+    forward no graph can hold, so every step runs eagerly (issue 47's "a model
+    whose capture fails")."""
+
+    def __init__(self, ntoken: int = VOCAB, d: int = 256, nhead: int = 4, nlayers: int = 2, classes: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(ntoken, d)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, nhead, 4 * d, 0.1, batch_first=True),
+                                             nlayers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, input_ids, attention_mask, labels):
+        n = int(attention_mask.sum(1).max())
+        ids, mask = input_ids[:, :n], attention_mask[:, :n]
+        h = self.encoder(self.emb(ids), src_key_padding_mask=mask == 0)
+        pooled = (h * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True)
+        return F.cross_entropy(self.head(pooled), labels)
+
+
+def padded_batch(b: int, g: torch.Generator) -> dict:
+    """Sequences of random lengths (SEQ/2..SEQ) padded to SEQ, a label each."""
+    lengths = torch.randint(SEQ // 2, SEQ + 1, (b,), generator=g)
+    mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+    ids = torch.randint(5, VOCAB, (b, SEQ), generator=g) * mask
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 2, (b,), generator=g)}
+
+
+def loop_loss_returned(m, batch):
+    m.opt.zero_grad(set_to_none=True)
+    with m.autocast():
+        loss = m.model(**batch)
+    loss.backward()
+    m.opt.step()
+    return loss
+
+
 register(Entry(name="nn_transformer_lm", family="torch.nn",
                what="nn.TransformerEncoder word LM, mask made in forward (PyTorch examples)",
                build=TransformerWordLM, make_batch=tokens_seq_first, loop=loop_word_lm, batch=TEXT_BATCH))
 register(Entry(name="nn_lstm_lm", family="torch.nn", what="nn.LSTM word LM, hidden state carried (PyTorch examples)",
                build=RNNWordLM, make_batch=tokens_seq_first, loop=loop_rnn_lm, batch=TEXT_BATCH))
+register(Entry(name="nn_trim_padding", family="torch.nn",
+               what="nn.TransformerEncoder classifier trimming padding with .item() in forward",
+               build=TrimmedEncoder, make_batch=padded_batch, loop=loop_loss_returned, batch=TEXT_BATCH,
+               named_only=True))  # made not to capture: not part of the corpus's graphed share
 
 
 # =========================================================================== Lightning
@@ -389,12 +439,13 @@ def select(spec: str | None) -> list[str]:
     import fnmatch
 
     if not spec:
-        return list(REGISTRY)
+        return [n for n, e in REGISTRY.items() if not e.named_only]
     chosen, unknown = set(), []
     for token in (t.strip() for t in spec.split(",")):
         if not token:
             continue
-        hits = [n for n in REGISTRY if n == token or fnmatch.fnmatchcase(n, token) or n.split("_", 1)[1] == token]
+        hits = [n for n, e in REGISTRY.items() if n == token or n.split("_", 1)[1] == token
+                or not e.named_only and fnmatch.fnmatchcase(n, token)]
         if not hits:
             unknown.append(token)
         chosen.update(hits)

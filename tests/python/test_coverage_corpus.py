@@ -43,6 +43,10 @@ def test_list_and_model_filter():
     p = _script("--list", "--models", "resnet18,hf_*")
     names = [line.split()[0] for line in p.stdout.splitlines()[1:-1]]
     assert names[:2] == ["tv_resnet18", "timm_resnet18"] and all(n.startswith("hf_") for n in names[2:]), names
+    assert "hf_albert_default" not in p.stdout  # large ones only when named exactly
+    p = _script("--list", "--models", "hf_albert_default,gpt2_medium,trim_padding")
+    assert [line.split()[0] for line in p.stdout.splitlines()[1:-1]] == [
+        "hf_albert_default", "hf_gpt2_medium", "nn_trim_padding"], p.stdout
     p = _script("--list", "--models", "no_such_model")
     assert p.returncode != 0 and "unknown model no_such_model" in p.stderr
 
@@ -50,23 +54,26 @@ def test_list_and_model_filter():
 def test_two_cpu_ranks_write_rows_table_and_plot(tmp_path):
     out = tmp_path / "cov.json"
     p = _script("--device", "cpu", "--world-sizes", "2", "--models", "nn_transformer_lm", "--steps", "2",
-                "--warmup", "1", "--batch", "2", "--out", str(out), timeout=170)
+                "--warmup", "1", "--batch", "2", "--modes", "pgd,pgd_eager", "--out", str(out), timeout=170)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["kind"] == "coverage" and result["exit_codes"] == {"2": [0]}
     assert {"torch", "transformers", "pygraph_dist"} <= set(result["environment"]["versions"])
     (row,) = result["rows"]
     assert row["status"] == "ok" and row["world_size"] == 2 and row["batch"] == 2, row
-    for mode in ("ddp", "pgd"):
+    for mode in ("ddp", "pgd", "pgd_eager"):
         assert row[f"{mode}_status"] == "ok" and row[f"{mode}_ms_per_it"] > 0 and row[f"{mode}_host_ms"] > 0
         assert len(row[f"{mode}_per_rank_ms"]) == 2 and all(len(t) == 2 for t in row[f"{mode}_per_rank_ms"])
     assert row["speedup"] == pytest.approx(row["ddp_ms_per_it"] / row["pgd_ms_per_it"])
+    assert row["speedup_eager"] == pytest.approx(row["ddp_ms_per_it"] / row["pgd_eager_ms_per_it"])
+    assert "graphs=False" in row["pgd_eager_reason"], row  # the report's reason for the eager mode
     # No graphs on a CPU: the report says so, and so does the row.
     assert row["pgd_tier"] == "eager" and row["pgd_replay_share"] == 0.0 and "CUDA" in row["pgd_reason"], row
     s = result["summary"]["2"]
     assert s["ran"] == 1 and s["graphed"] == 0 and s["not_graphed"] == ["nn_transformer_lm"]
     text = out.with_suffix(".txt").read_text()
     assert "# model" in text and "(ms)" in text and "(GiB)" in text and "# summary N=2" in text
+    assert "x_eager" in text and "graphs=False >= 0.98x DDP" in text, text
     assert "[coverage N=2]  1/1 nn_transformer_lm" in p.stdout  # a progress line per model
     try:
         import matplotlib  # noqa: F401
