@@ -171,6 +171,7 @@ def pgd_fields(m: dict, before: tuple[int, int]) -> dict:
             "tier1_needs": s.get("tier1_needs", [])[:1], "select_speedup": s.get("speedup"),
             "selection": [g.get("selection", "") for g in train], "signatures": len(train),
             "pool_mib": sum(g.get("pool_mib", 0.0) for g in m.get("graphs", [])),
+            "pool_detail": next((g["pool_detail"] for g in train if g.get("pool_detail")), ""),
             "buckets": m.get("buckets", ""), "precision": s.get("precision", "")}
 
 

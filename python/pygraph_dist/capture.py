@@ -38,6 +38,7 @@ from ._ext import C
 from .capture_guard import _bucket_error, capture_into, describe_capture_error, end_failed_capture
 from .graph_cache import GraphCache, GraphEntry, discard
 from .param_groups import group_versions, snapshot_hyperparams
+from .pool_account import PoolAccount, held_grad_bytes
 from .reducer import GradientReducer
 from .spans import timed
 from .step import IterationStep
@@ -115,12 +116,16 @@ class GraphRunner:
         t0 = time.perf_counter()
         error: BaseException | None = None
         static_result = None
+        account = PoolAccount(self.device, lambda: held_grad_bytes(self.reducer.params, self.reducer.views))
+        step.mark = account.mark
         try:
             with host_copies.substituting(self.host_watch, entry):
                 static_result, step_graph = self._record(entry, graph, static, pool)
+            account.mark("step")
         except Exception as exc:  # noqa: BLE001 - every failure becomes an agreed fallback
             error = exc
         finally:
+            step.mark = None
             fingerprint = self.fp_backend.stop_recording() if self.fp_backend is not None else None
         entry.capture_s = time.perf_counter() - t0
         if error is not None:
@@ -171,6 +176,7 @@ class GraphRunner:
         if not self.accept_capture(entry, fingerprint, reserved0, state_version, iteration):
             self.reducer.adoption.drop()
             return self.run_owned(static)  # did not fit the memory cap
+        entry.pool_detail = account.describe(entry.pool_bytes)
         self.reducer.commit_adoption()  # world size 1: the graph's gradients are .grad
         with torch.cuda.stream(step.stream):
             self.launch(entry)  # capture records without running: this performs the iteration

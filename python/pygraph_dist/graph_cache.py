@@ -86,6 +86,7 @@ class GraphEntry:
     # What the capture recorded.
     collectives: str = ""
     n_collectives: int = 0
+    pool_detail: str = ""  # what the pool holds, by phase (pool_account.py)
     first_seen_s: float = 0.0
     setup_s: float = 0.0  # first warm-up iteration -> capture agreed (synchronised)
     capture_s: float = 0.0
@@ -370,7 +371,7 @@ def describe_entries(entries, bucket_kinds: list[str]) -> list:
             tier=(e.tier if e.tier == "eval" else str(e.tier) if e.live else
                   ("3" if p.phase == Phase.EAGER else "")),
             was_tier=str(e.tier) if e.live or p.replays else "", autocast=_autocast_name(e.key),
-            where=failure_where(p.reason),
+            where=failure_where(p.reason), pool_detail=e.pool_detail,
         ))
     return out
 

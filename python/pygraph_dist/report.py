@@ -102,6 +102,8 @@ class GraphReport:
     # "transformers/models/mistral/modeling_mistral.py:123"; "" otherwise):
     # capture_guard.failure_where(reason).
     where: str = ""
+    # What the graph's private pool holds, by phase (pool_account.py; verbose report).
+    pool_detail: str = ""
 
 
 @dataclass(frozen=True)

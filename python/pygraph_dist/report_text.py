@@ -220,6 +220,8 @@ def _table(m: ModelReport) -> tuple[list[str], set[str]]:
             f"{g.pool_mib:>6.1f}Mi  {g.collectives or '-'}")
         if g.autocast:
             lines.append(f"      autocast: {g.autocast} (yours, around the model call)")
+        if g.pool_detail and g.live:
+            lines += _wrapped("", g.pool_detail, "      ")
         if g.reason:
             label = "eager because: " if g.phase == "eager" else "last reason: "
             if g.reason in said:

@@ -56,6 +56,7 @@ from .loss_match import LaneRun
 from .split_lane import LaneCaptureError, LaneGraphs, output_tensors
 from .spans import timed
 from .outputs import fresh_copy, map_outputs
+from .pool_account import PoolAccount
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -190,6 +191,7 @@ class SplitGraphs(LaneGraphs):
         if runner.fp_backend is not None:
             runner.fp_backend.start_recording()
         reserved0 = torch.cuda.memory_reserved(device)
+        account = PoolAccount(device)  # tier 2's gradients are the bucket views, outside the pool
         t0 = time.perf_counter()
         error: BaseException | None = None
 
@@ -198,6 +200,7 @@ class SplitGraphs(LaneGraphs):
                     host_copies.substituting(runner.host_watch, entry):
                 args_, kwargs_ = static
                 loss, out = step.forward(args_, kwargs_, sync=True, need_loss=False)
+            account.mark("forward")
             tensors = output_tensors(out)
             diff = [t.requires_grad for t in tensors]
             if not any(diff):
@@ -238,10 +241,12 @@ class SplitGraphs(LaneGraphs):
                         scale = step.grad_scaler._scale  # noqa: SLF001
                         grads = [s * scale if m else s for s, m in zip(static_grads, scaled)]
                     torch.autograd.backward(roots, grads, retain_graph=key != "fresh")
+            account.mark("backward")
             step_graph = torch.cuda.CUDAGraph()
             graphs["step"] = step_graph
             with runner.capturing(step_graph, pool):
                 step.apply_step(None)
+            account.mark("step")
         except Exception as exc:  # noqa: BLE001 - every failure becomes an agreed fallback
             error = exc
         finally:
@@ -300,6 +305,7 @@ class SplitGraphs(LaneGraphs):
             step.clear_grads()
         if not runner.accept_capture(entry, fingerprint, reserved0, state_version, iteration):
             return False
+        entry.pool_detail = account.describe(entry.pool_bytes)
         entry.setup_s = time.perf_counter() - (entry.first_seen_s or t0)
         runner.captured_event(entry, iteration)
         if runner.rank == 0:

@@ -93,6 +93,7 @@ class IterationStep:
         self.world_size = dist.get_world_size(group)
         self.device = device
         self.stream = acquire_side_stream(device) if device.type == "cuda" else None
+        self.mark = None  # set around a capture: PoolAccount.mark (pool_account.py)
         self.buffers = list(module.buffers()) if broadcast_buffers and self.world_size > 1 else []
         self.sparse_ids = {id(p) for p in reducer.sparse_params}
         # skip_nonfinite: steps skipped because the reduced gradients held inf or
@@ -174,8 +175,12 @@ class IterationStep:
         """Forward and backward of the whole batch; ``(loss, outputs)``."""
         args, kwargs = inputs
         loss, out = self.forward(args, kwargs)
+        if self.mark is not None:  # a capture accounting its pool (pool_account.py)
+            self.mark("forward")
         self.scaled(loss).backward()
         self.reducer.finish_pending()
+        if self.mark is not None:
+            self.mark("backward")
         # Detached, so that a graph's static outputs hold no autograd graph;
         # the loss keeps its identity inside the outputs.
         detached = loss.detach()
