@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import zlib
 from typing import Callable
 
 import torch
@@ -73,6 +74,11 @@ class LoopState:
         self.clip_this_step = None
         self.clip_probe: list = []
         self.clip_calls = 0
+        # The constants the loop scales the returned loss by before backward()
+        # (scale_chain; None: not scaled), set at the probe; False with a GradScaler.
+        self.loss_chain: tuple | None = None
+        self.loss_key: tuple | None = None  # chain_key(loss_chain); () for an unscaled loss
+        self.scaled_loss_ok = True
 
     @property
     def owned(self) -> bool:
@@ -191,12 +197,15 @@ class LoopState:
         if isinstance(target, (list, tuple)) and len(target) == 1:
             target = target[0]
         loss = self.returned_loss
-        # The returned loss, unchanged -- or scaled by 1 (Accelerate's loss / 1,
-        # the Trainer's loss *= 1): 1.0 / 1 == 1.0 seeds the same backward. Scaled
-        # by anything else, in place or not, it is another tensor.
-        is_loss = loss is not None and not getattr(target, "_backward_hooks", None) and (
-            (target is loss and target._version == self.returned_version)
-            or unit_scaled(target, loss, self.returned_edge))
+        # The returned loss, unchanged -- or scaled by constants (Accelerate's
+        # loss / gradient_accumulation_steps, the Trainer's loss *= process count),
+        # the same ones at every step: a graph seeds its backward with what those
+        # steps make of 1.0, bitwise the loop's own seed (loss_seed).
+        chain = None
+        if loss is not None and not getattr(target, "_backward_hooks", None):
+            chain = (() if target is loss and target._version == self.returned_version
+                     else scale_chain(target, loss, self.returned_edge))
+        is_loss = chain is not None and self._same_scale(chain)
         if not is_loss and self.output_nodes and self.reaches_params(target):
             self.violation(
                 "the loss's backward reaches model parameters directly, not only through the "
@@ -220,7 +229,7 @@ class LoopState:
         elif not expected:
             self.violation(
                 "backward() was called on a tensor other than the loss returned by the model call "
-                "(for example loss / accumulation_steps, a sum with another loss, or "
+                "(for example a sum with another loss, a scale that changes from step to step, or "
                 "scaler.scale(loss)), or with extra arguments"
                 if not is_loss or extra
                 else "backward() was called twice in one training step",
@@ -234,6 +243,18 @@ class LoopState:
             self.stage = Stage.BACKWARD
             return False  # the graph (or the owned iteration) already ran it
         return True
+
+    def _same_scale(self, chain: tuple) -> bool:
+        """Whether the loss's scaling ``chain`` is the loop's: unit steps drop
+        out; the probe's first backward sets it (an unscaled loss too), the
+        other probe steps and every owned iteration must match it. A GradScaler
+        (amp="fp16") takes none."""
+        key = chain_key(chain)
+        if key and not self.scaled_loss_ok:
+            return False
+        if self.loss_key is None and not self.owned and not self.probe_done:  # the probe's first backward
+            self.loss_key, self.loss_chain = key, (chain if key else None)
+        return key == (self.loss_key or ())
 
     def reaches_params(self, target) -> bool:
         """Whether ``target``'s autograd graph reaches a model parameter without
@@ -318,37 +339,67 @@ def loss_edge(loss: torch.Tensor) -> tuple:
     return (loss.grad_fn, loss.output_nr) if loss.grad_fn is not None else (None, loss)
 
 
-def unit_scaled(target, loss, edge: tuple | None = None) -> bool:
-    """Whether ``target`` is ``loss`` scaled by 1 (``/ 1``, ``* 1``, in place or
-    not, up to a few times): its backward is the loss's own, bitwise.
-    Accelerate's backward() divides by gradient_accumulation_steps (1 by
-    default); transformers' Trainer.compute_loss multiplies in place by the
-    process count (1 in one process). ``edge``: ``loss_edge(loss)`` taken when
-    the loss was handed out, before any in-place change. The numbers are read
-    from the autograd nodes (``_saved_other``, a CPU number: no device sync)."""
+def scale_chain(target, loss, edge: tuple | None = None) -> tuple | None:
+    """The steps by which ``target`` is ``loss`` multiplied or divided by
+    numbers (in place or not, up to a few times), from ``target`` down:
+    ``(("mul" | "div", the 0-dim CPU tensor autograd saved), ...)``; None when
+    it is not. ``edge``: ``loss_edge(loss)`` taken when the loss was handed
+    out, before any in-place change. Read from the autograd nodes
+    (``_saved_other``: no device sync)."""
     if not isinstance(target, torch.Tensor) or not isinstance(loss, torch.Tensor):
-        return False
+        return None
     if target.dtype != loss.dtype or target.shape != loss.shape:
-        return False
+        return None
     want, want_nr = edge if edge is not None else loss_edge(loss)
-    fn = target.grad_fn
+    fn, chain = target.grad_fn, []
     for _ in range(_MAX_UNIT_STEPS):
         if fn is None or type(fn).__name__ not in _UNIT_OPS:
-            return False
+            return None
         edges = fn.next_functions
         if len(edges) != 2 or edges[1][0] is not None:
-            return False
+            return None
         try:
             other = fn._saved_other  # noqa: SLF001
         except (AttributeError, RuntimeError):
-            return False
-        if not (isinstance(other, torch.Tensor) and other.device.type == "cpu" and other.numel() == 1
-                and other.item() == 1):
-            return False
+            return None
+        if not (isinstance(other, torch.Tensor) and other.device.type == "cpu" and other.numel() == 1):
+            return None
+        chain.append(("mul" if type(fn).__name__ == "MulBackward0" else "div", other.detach().clone()))
         node, nr = edges[0]
-        if want is not None and node is want and nr == want_nr:
-            return True
-        if want is None and getattr(node, "variable", None) is want_nr:
-            return True
+        if (want is not None and node is want and nr == want_nr) or (
+                want is None and getattr(node, "variable", None) is want_nr):
+            return tuple(chain)
         fn = node
-    return False
+    return None
+
+
+def chain_key(chain: tuple) -> tuple:
+    """A scaling chain as comparable values, steps by 1 left out (exact)."""
+    return tuple((op, str(t.dtype), t.item()) for op, t in chain if t.item() != 1)
+
+
+def chain_digest(chain: tuple | None) -> int:
+    """A number every rank computes alike from the same scaling (0: none)."""
+    key = chain_key(chain) if chain else ()
+    return zlib.crc32(repr(key).encode()) if key else 0
+
+
+def loss_seed(chain: tuple, loss: torch.Tensor) -> torch.Tensor | None:
+    """What backward of ``loss`` scaled by ``chain`` hands the loss: 1.0 through
+    each step's backward (MulBackward0: ``grad * other``, DivBackward0:
+    ``grad / other``), the same ops on the same dtypes, so bitwise the same.
+    None for an unscaled loss."""
+    if not chain_key(chain):
+        return None
+    seed = torch.ones_like(loss)
+    for op, other in chain:
+        seed = seed * other if op == "mul" else seed / other
+    return seed
+
+
+def unit_scaled(target, loss, edge: tuple | None = None) -> bool:
+    """Whether ``target`` is ``loss`` scaled by 1 (``/ 1``, ``* 1``, in place or
+    not, up to a few times): its backward is the loss's own, bitwise
+    (:func:`scale_chain` with every step by 1)."""
+    chain = scale_chain(target, loss, edge)
+    return chain is not None and not chain_key(chain)

@@ -24,6 +24,7 @@ import logging
 
 from . import agreement, clip_route
 from ._ext import C
+from .conformance import chain_digest
 from .graph_cache import GraphEntry
 from .monitor import Violation, user_location, watch_host_syncs, watch_inner_autocast
 from .split import output_tensors
@@ -89,10 +90,11 @@ class ProbeCalls:
         verdict = agreement.agree(
             ok=not violations,
             reason="; ".join(str(v) for v in unique),
-            digests=[clip.digest() if clip is not None else 0],
+            digests=[clip.digest() if clip is not None else 0, chain_digest(self.loop.loss_chain)],
             group=self.group,
             device=self.agree_device,
-            explain=lambda everyone: "ranks clip differently (clip_grad_norm_'s max_norm or parameters)",
+            explain=lambda everyone: "ranks clip differently (clip_grad_norm_'s max_norm or parameters) or "
+                                     "scale the loss by different numbers before backward()",
         )
         if not verdict.agreed:
             # Not one graph per iteration. Tier 2 if every rank's deviations
@@ -130,5 +132,7 @@ class ProbeCalls:
             self.loop.probe_done = True
             if clip is not None and self.graphs_possible and not self.loop.split_reason:
                 self.step.route_clip(clip)  # the user's clip_grad_norm_ moves into the step (clip_route.py)
+            if not self.loop.split_reason:  # the loop's own loss scaling seeds the graph's backward
+                self.step.loss_chain = self.loop.loss_chain
             if self.graphs_reason:
                 entry.policy.disable(self.graphs_reason)

@@ -22,6 +22,7 @@ from torch import nn
 
 from . import clip_route, collectives
 from .amp import AmpConfig, ScaleGrad
+from .conformance import loss_seed
 from .outputs import find_loss, loss_error, map_outputs
 from .reducer import GradientReducer
 
@@ -94,6 +95,7 @@ class IterationStep:
         self.device = device
         self.stream = acquire_side_stream(device) if device.type == "cuda" else None
         self.mark = None  # set around a capture: PoolAccount.mark (pool_account.py)
+        self.loss_chain = None  # the constants the loop scales the loss by (probe.py; tier 1)
         self.buffers = list(module.buffers()) if broadcast_buffers and self.world_size > 1 else []
         self.sparse_ids = {id(p) for p in reducer.sparse_params}
         # skip_nonfinite: steps skipped because the reduced gradients held inf or
@@ -177,7 +179,8 @@ class IterationStep:
         loss, out = self.forward(args, kwargs)
         if self.mark is not None:  # a capture accounting its pool (pool_account.py)
             self.mark("forward")
-        self.scaled(loss).backward()
+        # The loop's own scaling of the loss (loss *= n, loss / k; conformance.scale_chain) as the seed.
+        self.scaled(loss).backward(loss_seed(self.loss_chain, loss) if self.loss_chain else None)
         self.reducer.finish_pending()
         if self.mark is not None:
             self.mark("backward")

@@ -131,6 +131,7 @@ class EngineWiring:
 
         self.fp_backend = graph_safe_backend(self.group, "cuda") if cuda else None
         self.loop = LoopState(self.owned_storages, monitor=config.monitor)
+        self.loop.scaled_loss_ok = grad_scaler is None  # amp="fp16": the scaler's seed, nothing else
         self.loop.param_ids = {id(p) for p in self.reducer.params}
         # Every parameter of the module, frozen ones too: clip_grad_norm_(model.parameters())
         # is routed to this engine (clip_route.py).

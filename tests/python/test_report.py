@@ -35,7 +35,7 @@ INPUTS = "(64, 256) int64, (64, 256) int64"
 LR_REASON = "param group 0: 'lr' was replaced by another object"
 SPLIT_REASON = (
     "backward() was called on a tensor other than the loss returned by the model call (for example "
-    "loss / accumulation_steps, a sum with another loss, or scaler.scale(loss)), or with extra arguments "
+    "a sum with another loss, a scale that changes from step to step, or scaler.scale(loss)), or with extra arguments "
     "at train.py:120. A whole-iteration graph needs backward() of the returned loss; tier 2 graphs it "
     "per micro-batch; "
     "clip_grad_norm_() modifies a parameter, gradient, optimizer state or learning rate between "
@@ -345,6 +345,8 @@ def loop_report(variant="readme", steps=10, autocast="", backend="auto", clip=0,
             loss.register_hook(lambda g: g * 2)
         if variant in ("imul1", "imul2"):
             loss *= 1 if variant == "imul1" else 2  # transformers' compute_loss scales in place
+        if variant == "imul_varies":  # a different number every other step: no graph can seed it
+            loss *= 1 + step % 2
         loss.backward()
         if clip:  # see the docstring: which clip_grad_norm_ calls can move into the step graph
             params = list(model.parameters())
@@ -399,13 +401,15 @@ def test_report_of_a_cpu_loop_is_short_and_consistent(ranks, variant):
         assert not r["stock_warnings"]  # CPU: no fingerprints to lose
 
 
-@pytest.mark.parametrize("variant", ["div1", "imul1", "imul2", "hook", "inner"])
+@pytest.mark.parametrize("variant", ["div1", "imul1", "imul2", "imul_varies", "hook", "inner"])
 def test_loss_over_one_conforms_and_inner_autocast_is_reported(ranks, variant):
-    """backward() of loss / 1 is the returned loss's backward (the loop stays
-    fit for tier 1); autocast entered inside forward is the precision reported."""
+    """backward() of loss / 1, or of the loss scaled by the same numbers at
+    every step (loss *= 2), keeps the loop fit for tier 1 (the graph seeds its
+    backward with them); a scale that changes does not. Autocast entered
+    inside forward is the precision reported."""
     for r in ranks("test_report:loop_report", timeout=120, kwargs={"variant": variant}):
         text, verbose = r["text"], r["verbose"]
-        if variant == "imul2":  # loss *= 2 is another loss: not tier 1
+        if variant == "imul_varies":  # loss *= 2 conforms (the graph's seed); a scale that varies does not
             assert "loop check: conforms" not in verbose, verbose
             assert "backward() was called on a tensor other than the loss" in flat(verbose), verbose
             continue
@@ -444,7 +448,7 @@ def test_a_clip_over_all_parameters_conforms(ranks, clip):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["div1", "imul1"])
+@pytest.mark.parametrize("variant", ["div1", "imul1", "imul2"])
 def test_loss_over_one_replays_tier1_on_gpu(ranks, variant):
     r, = ranks("test_report:loop_report", world_size=1, timeout=300, kwargs={"variant": variant, "steps": 20})
     assert r["tiers"] == ["1"] and r["phases"] == ["replay"], r["verbose"]

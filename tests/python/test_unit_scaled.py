@@ -145,3 +145,87 @@ def test_the_handed_out_loss_on_a_gpu_is_the_same_bytes_stream_ordered():
         ref = src.detach().clone()
         assert out.stride() == ref.stride() and out.dtype == ref.dtype and out.shape == ref.shape
         assert torch.equal(out, ref) and not out.requires_grad and (out.numel() == 0 or out.data_ptr() != src.data_ptr())
+
+
+def _scaled(target, scale: str):
+    """The loop's scaling of its loss, as scripts write it."""
+    if scale == "imul2":
+        target *= 2  # transformers' compute_loss at 2 processes
+    elif scale == "div3":
+        target = target / 3  # Accelerate's backward() at gradient_accumulation_steps=3
+    elif scale == "imul7_div3":
+        target *= 7
+        target = target / 3
+    elif scale == "mul0.1":
+        target = target * 0.1
+    elif scale == "div1_imul3":
+        target = target / 1
+        target *= 3
+    return target
+
+
+def _forward(dtype):
+    torch.manual_seed(0)
+    w = torch.randn(5, 3, requires_grad=True)
+    return w, (torch.randn(7, 5) @ w.to(dtype).float()).to(dtype).sum() * 1.0  # a non-leaf loss in dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", ["imul2", "div3", "imul7_div3", "mul0.1", "div1_imul3"])
+def test_a_constant_scale_seeds_the_same_backward_bitwise(dtype, scale):
+    """A tier-1 graph runs backward of the returned loss seeded with what the
+    loop's scaling makes of 1.0 (conformance.loss_seed): the gradients must be
+    bitwise those of the loop's own backward of the scaled loss."""
+    from pygraph_dist.conformance import chain_key, loss_seed, scale_chain
+
+    w, loss = _forward(dtype)
+    edge = loss_edge(loss)
+    target = _scaled(loss, scale)
+    chain = scale_chain(target, loss, edge)  # read as the loop state reads it, before backward
+    assert chain is not None and chain_key(chain), chain
+    target.backward()
+    w_graph, loss_graph = _forward(dtype)  # the graph's iteration: the same forward, the loss unscaled
+    loss_graph.backward(loss_seed(chain, loss_graph))
+    assert torch.equal(w.grad, w_graph.grad), (scale, dtype)
+    assert loss_seed(scale_chain(loss_graph / 1, loss_graph), loss_graph) is None  # unscaled: as is
+
+
+def scaled_loss_graphed(scale: str, steps: int = 20):
+    """Rank body: the loop scales the returned loss by constants before
+    backward() (``_scaled``), with graphs and with graphs=False."""
+    import pygraph_dist as pgd
+    from common import MLP, data, device, flat_params
+
+    pgd.init()
+    dev, out = device(), {}
+    for graphs in (True, False):
+        torch.manual_seed(0)
+        base = MLP().to(dev)
+        model, opt = pgd.wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-3), graphs=graphs)
+        losses = []
+        for step in range(steps):
+            x, y = data(step, 0, device=dev)
+            opt.zero_grad(set_to_none=True)
+            loss = _scaled(model(x, y), scale)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        m = pgd.report().models[-1]
+        out[graphs] = {"params": flat_params(base), "losses": losses, "tiers": [g.tier for g in m.graphs],
+                       "replays": sum(g.replays for g in m.graphs), "verbose": str(pgd.report(verbose=True))}
+        model.engine.teardown()
+    pgd.shutdown()
+    g = out[True]
+    return {"tiers": g["tiers"], "replays": g["replays"], "verbose": g["verbose"],
+            "bitwise": bool(torch.equal(g["params"], out[False]["params"])),
+            "losses_equal": g["losses"] == out[False]["losses"]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", ["imul2", "imul7_div3"])
+def test_a_loss_scaled_by_constants_replays_tier1_bitwise(ranks, scale):
+    """transformers' Trainer at 2 processes (loss *= 2) and Accelerate's
+    division: tier 1, bitwise the training of graphs=False, the same losses."""
+    (r,) = ranks("test_unit_scaled:scaled_loss_graphed", world_size=1, timeout=240, kwargs={"scale": scale})
+    assert r["tiers"] == ["1"] and r["replays"] >= 8, r["verbose"]
+    assert r["bitwise"] and r["losses_equal"], r

@@ -350,17 +350,9 @@ if _transformers is not None:
                     f"PGDTrainer sees {self.args.n_gpu} GPUs in one process, where Trainer would use "
                     "nn.DataParallel; launch one process per GPU (torchrun --nproc-per-node=N, or "
                     "CUDA_VISIBLE_DEVICES=0 for one GPU).")
-            if (self.args.world_size > 1 and self.args.average_tokens_across_devices
-                    and (self.model_accepts_loss_kwargs or self.compute_loss_func)
-                    and self.is_world_process_zero()):
-                # compute_loss then multiplies the model's loss by the process count.
-                logger.info(
-                    "PGDTrainer: with average_tokens_across_devices=True at %d processes, Trainer multiplies "
-                    "the model's loss by %d (loss *= n), which is not the loss the model returned, so the "
-                    "loop is graphed per micro-batch (tier 2). TrainingArguments("
-                    "average_tokens_across_devices=False) keeps the model's loss (tier 1); it trains the "
-                    "same where every rank's batch holds the same number of label tokens",
-                    self.args.world_size, self.args.world_size)
+            # At more than one process compute_loss multiplies the model's loss by the process
+            # count (average_tokens_across_devices): the same number at every step, which a
+            # tier-1 graph seeds its backward with (conformance.scale_chain).
 
         def train(self, *args, **kwargs):
             """``Trainer.train``, with ``logging_nan_inf_filter`` applied on the device.
