@@ -37,7 +37,8 @@ Columns (nccl-tests conventions: per-iteration values are the max over ranks):
   tier        pygraph_dist's report at the end: 1 or 2 (a graph held), eager
   replay      share of the timed steps that replayed a graph
   reason      the first capture failure, invalidation or eager reason of the
-              report, with the file:line it names
+              report, with the file:line it names ("then captured; first ..."
+              when a later capture succeeded)
 Summary per N: graphed classes (tier 1 or 2), at >= 1.0x DDP, with rsv pgd <=
 1.1 x rsv ddp, of those that ran. Writes OUT.json (every row, per-rank
 samples, machine and versions), OUT.txt (the table) and OUT-coverage.png.
@@ -124,13 +125,18 @@ def _find_where(obj) -> str:
 
 def first_reason(m: dict) -> tuple[str, str]:
     """(reason, file:line) of a model's report dict: its first capture failure,
-    invalidation or drop, else its first eager reason, else why graphs are not
+    invalidation or drop (prefixed "then captured; first" when a capture
+    succeeded after it), else its first eager reason, else why graphs are not
     possible. The line is the report's ``where`` where it has one, else the
     first ``file.py:N`` the text names."""
-    event = next((e for e in m.get("events", []) if e.get("event") in FAILURE_EVENTS), None)
+    events = m.get("events", [])
+    at = next((i for i, e in enumerate(events) if e.get("event") in FAILURE_EVENTS), None)
+    event = events[at] if at is not None else None
     reasons = m.get("summary", {}).get("eager_reasons", [])
     if event is not None:
         text, where = f"{event['event']}: {event.get('detail', '')}", _find_where(event)
+        if any(e.get("event") == "captured" for e in events[at + 1:]):  # e.g. a host copy learned, then graphed
+            text = "then captured; first " + text
     elif reasons:
         text, where = reasons[0].get("short") or reasons[0].get("reason", ""), _find_where(reasons[0])
     elif not m.get("graphs_possible", True):

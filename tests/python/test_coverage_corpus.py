@@ -92,6 +92,8 @@ def test_first_reason_names_the_line():
     assert first_reason(failed) == (
         "capture failed: RuntimeError: Cannot copy between CPU and CUDA tensors during CUDA graph capture "
         "(running eagerly)", "model.py:42")
+    recovered = {**failed, "events": [*reversed(failed["events"])]}  # failed, then captured (a host copy learned)
+    assert first_reason(recovered)[0].startswith("then captured; first capture failed: RuntimeError"), recovered
     # The event's own field first; without any, the first file:line in the text.
     failed["events"][1]["where"] = "/a/b/forward.py:7"
     assert first_reason(failed)[1] == "/a/b/forward.py:7"
