@@ -83,7 +83,9 @@ def train(model, optimizer, steps, rank, *, clip=None, dev="cpu", variant="plain
         else:
             optimizer.zero_grad(set_to_none=True)
             loss = model(x, y)
-            if variant == "scaled":
+            if variant == "scaled":  # a scale that changes from step to step: no graph can seed it
+                (loss * (0.5 if step % 2 else 0.25)).backward()
+            elif variant == "scaled_const":  # the same scale every step: the graph's backward seed
                 (loss * 0.5).backward()
             elif variant == "aux":
                 (loss + 0.01 * sum(p.pow(2).sum() for p in model.parameters())).backward()

@@ -141,6 +141,14 @@ def loop_variant(variant="plain"):
     }
 
 
+def test_a_loss_scaled_by_a_constant_conforms(ranks):
+    """(loss * 0.5).backward() every step: one graph per iteration seeds its
+    backward with 0.5 (conformance.loss_seed); eager training matches DDP."""
+    for r in ranks("test_cpu_training:loop_variant", kwargs={"variant": "scaled_const"}, timeout=120):
+        assert r["loop"].startswith("conforms"), r
+        assert r["max_param_diff"] < 1e-6, r
+
+
 @pytest.mark.parametrize("variant,needle,tier", [
     ("scaled", "backward() was called on a tensor other than the loss", "2"),
     ("aux", "reaches model parameters directly", "3"),  # a regulariser outside the model
