@@ -253,7 +253,8 @@ class LoopState:
         if key and not self.scaled_loss_ok:
             return False
         if self.loss_key is None and not self.owned and not self.probe_done:  # the probe's first backward
-            self.loss_key, self.loss_chain = key, (chain if key else None)
+            self.loss_key = key
+            self.loss_chain = tuple((op, t.detach().clone()) for op, t in chain) if key else None
         return key == (self.loss_key or ())
 
     def reaches_params(self, target) -> bool:
@@ -342,7 +343,7 @@ def loss_edge(loss: torch.Tensor) -> tuple:
 def scale_chain(target, loss, edge: tuple | None = None) -> tuple | None:
     """The steps by which ``target`` is ``loss`` multiplied or divided by
     numbers (in place or not, up to a few times), from ``target`` down:
-    ``(("mul" | "div", the 0-dim CPU tensor autograd saved), ...)``; None when
+    ``(("mul" | "div", the 0-dim CPU tensor autograd saved; clone it to keep it), ...)``; None when
     it is not. ``edge``: ``loss_edge(loss)`` taken when the loss was handed
     out, before any in-place change. Read from the autograd nodes
     (``_saved_other``: no device sync)."""
@@ -364,7 +365,7 @@ def scale_chain(target, loss, edge: tuple | None = None) -> tuple | None:
             return None
         if not (isinstance(other, torch.Tensor) and other.device.type == "cpu" and other.numel() == 1):
             return None
-        chain.append(("mul" if type(fn).__name__ == "MulBackward0" else "div", other.detach().clone()))
+        chain.append(("mul" if type(fn).__name__ == "MulBackward0" else "div", other))
         node, nr = edges[0]
         if (want is not None and node is want and nr == want_nr) or (
                 want is None and getattr(node, "variable", None) is want_nr):
@@ -375,7 +376,7 @@ def scale_chain(target, loss, edge: tuple | None = None) -> tuple | None:
 
 def chain_key(chain: tuple) -> tuple:
     """A scaling chain as comparable values, steps by 1 left out (exact)."""
-    return tuple((op, str(t.dtype), t.item()) for op, t in chain if t.item() != 1)
+    return tuple((op, str(t.dtype), v) for op, t in chain if (v := t.item()) != 1)
 
 
 def chain_digest(chain: tuple | None) -> int:
@@ -396,10 +397,3 @@ def loss_seed(chain: tuple, loss: torch.Tensor) -> torch.Tensor | None:
         seed = seed * other if op == "mul" else seed / other
     return seed
 
-
-def unit_scaled(target, loss, edge: tuple | None = None) -> bool:
-    """Whether ``target`` is ``loss`` scaled by 1 (``/ 1``, ``* 1``, in place or
-    not, up to a few times): its backward is the loss's own, bitwise
-    (:func:`scale_chain` with every step by 1)."""
-    chain = scale_chain(target, loss, edge)
-    return chain is not None and not chain_key(chain)

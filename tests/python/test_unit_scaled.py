@@ -1,12 +1,20 @@
-"""``conformance.unit_scaled``: which ``backward()`` targets are the returned
-loss's own backward (Accelerate divides by ``gradient_accumulation_steps``)."""
+"""``conformance.scale_chain``: which ``backward()`` targets are the returned
+loss's own backward (Accelerate divides by ``gradient_accumulation_steps``), or
+the loss scaled by numbers a graph can seed its backward with."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pygraph_dist.conformance import loss_edge, unit_scaled
+from pygraph_dist.conformance import chain_key, loss_edge, scale_chain
+
+
+def unit_scaled(target, loss, edge=None) -> bool:
+    """Whether ``target`` is ``loss`` scaled by 1 only (``/ 1``, ``* 1``, in place
+    or not): what the loop state takes as the returned loss itself."""
+    chain = scale_chain(target, loss, edge)
+    return chain is not None and not chain_key(chain)
 
 
 def _loss():
@@ -176,7 +184,7 @@ def test_a_constant_scale_seeds_the_same_backward_bitwise(dtype, scale):
     """A tier-1 graph runs backward of the returned loss seeded with what the
     loop's scaling makes of 1.0 (conformance.loss_seed): the gradients must be
     bitwise those of the loop's own backward of the scaled loss."""
-    from pygraph_dist.conformance import chain_key, loss_seed, scale_chain
+    from pygraph_dist.conformance import loss_seed
 
     w, loss = _forward(dtype)
     edge = loss_edge(loss)
