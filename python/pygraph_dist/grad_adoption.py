@@ -93,20 +93,19 @@ class GradAdoption:
             self.free_buffers(*free)
         return True
 
-    def free_buffers(self, buffers: list, bucket_params: list) -> int:
+    def free_buffers(self, buffers: list, bucket_params: list) -> None:
         """After :meth:`commit`: free each flat buffer none of whose views is in
-        it any more (nothing reads it until :meth:`restore`). Bytes freed."""
+        it any more (nothing reads it until :meth:`restore`)."""
         full = [buf for buf, idx in zip(buffers, bucket_params)
                 if buf is not None and idx and all(i in self.slots for i in idx)]
         if not full:
-            return 0
+            return
         if full[0].is_cuda:
             torch.cuda.synchronize()  # an eager iteration's copies into them may still run
         for buf in full:
             storage = buf.untyped_storage()
             self.freed.append((buf, storage.nbytes()))
             storage.resize_(0)  # the slots alias this storage: they grow back with it
-        return sum(n for _, n in self.freed)
 
     def describe(self) -> str:
         if not self.moved:
