@@ -104,6 +104,15 @@ def python_per_step(mode, batches, steps: int, top: int) -> list[dict]:
             for (f, ln, fn), (_, nc, tt, ct, _) in rows]
 
 
+def started(cls, entry, batches, ctx: dict, args):
+    """A mode of ``entry`` set up (coverage.py's setup) and ``--warmup`` steps on."""
+    mode = cls(entry, "inside", batches, ctx["dev"], ctx["group"])
+    mode.setup()
+    for i in range(args.warmup):
+        mode.step(batches[i % len(batches)])
+    return mode
+
+
 def run_model(name: str, ctx: dict, args) -> dict:
     entry = REGISTRY[name]
     g = torch.Generator().manual_seed(1000 * ctx["rank"])
@@ -114,10 +123,7 @@ def run_model(name: str, ctx: dict, args) -> dict:
     cuda = ctx["dev"].type == "cuda"
     for mname, cls in MODES:
         _memory_reset(cuda)
-        mode = cls(entry, "inside", batches, ctx["dev"], ctx["group"])
-        mode.setup()
-        for i in range(args.warmup):
-            mode.step(batches[i % 2])
+        mode = started(cls, entry, batches, ctx, args)
         _sync()
         host = []
         t0 = time.perf_counter()
@@ -150,10 +156,7 @@ def side_by_side(entry, batches, ctx: dict, args) -> dict:
 
     modes = {}
     for mname, cls in MODES + ((("pgd", CorpusPGD),) if args.with_graphs else ()):
-        modes[mname] = cls(entry, "inside", batches, ctx["dev"], ctx["group"])
-        modes[mname].setup()
-        for i in range(args.warmup):
-            modes[mname].step(batches[i % 2])
+        modes[mname] = started(cls, entry, batches, ctx, args)
     per = {m: [] for m in modes}
     for r in range(args.ab_rounds):
         order = list(modes) if r % 2 == 0 else list(reversed(modes))
