@@ -184,6 +184,15 @@ def step_mask(step):
     return torch.full((2,), float(step)).to("meta")  # varies
 
 
+def _refused_at_capture(w, entry, fn) -> str:
+    """What ``fn`` raises where a capture substitutes its host values (:func:`_refused`)."""
+    def capture():
+        with hc.substituting(w, entry):
+            fn()
+
+    return _refused(capture)
+
+
 def _refused(fn, *args) -> str:
     with pytest.raises(hc.HostTensorError) as info:
         fn(*args)
@@ -202,11 +211,7 @@ def test_values_that_change_between_warm_ups_refuse_with_the_line():
     c = next(iter(e.host_copies.copies.values()))
     assert c.varied == "2 of 2 values differ" and c.buffer is None
 
-    def capture():
-        with hc.substituting(w, e):
-            step_mask(5)
-
-    text = _refused(capture)
+    text = _refused_at_capture(w, e, lambda: step_mask(5))
     line = _line_of(step_mask, "# varies")
     assert "a host tensor copied to the GPU at " in text
     assert f"{HERE}:{line} changed between iterations" in text
@@ -219,11 +224,7 @@ def test_values_that_change_at_capture_refuse():
         with hc.observing(w, e):
             step_mask(1)
 
-    def capture():
-        with hc.substituting(w, e):
-            step_mask(2)
-
-    assert "changed between iterations (2 of 2 values differ)" in _refused(capture)
+    assert "changed between iterations (2 of 2 values differ)" in _refused_at_capture(w, e, lambda: step_mask(2))
 
 
 def test_a_changed_shape_or_dtype_says_so():
@@ -251,28 +252,18 @@ def test_the_number_of_copies_of_a_line_must_not_change():
     with hc.observing(w, e):
         counted(3)
 
-    def capture():
-        with hc.substituting(w, e):
-            counted(2)
-
-    assert "the number of host tensors copied to the GPU at" in _refused(capture)
-    assert "copied 2 then 3 times in one iteration" in _refused(capture)
+    assert "the number of host tensors copied to the GPU at" in _refused_at_capture(w, e, lambda: counted(2))
+    assert "copied 2 then 3 times in one iteration" in _refused_at_capture(w, e, lambda: counted(2))
 
 
 def test_more_or_fewer_copies_at_capture_refuse():
     w, e = watch(), Entry()
     observe(w, e, lambda: counted(2))
 
-    def more():
-        with hc.substituting(w, e):
-            counted(3)
-
-    def fewer():
-        with hc.substituting(w, e):
-            counted(1)
-
-    assert "was not copied in the warm-up iterations (copy 3 of this line)" in _refused(more)
-    assert "was copied 2 times in warm-up and 1 times in this iteration" in _refused(fewer)
+    more = _refused_at_capture(w, e, lambda: counted(3))
+    fewer = _refused_at_capture(w, e, lambda: counted(1))
+    assert "was not copied in the warm-up iterations (copy 3 of this line)" in more
+    assert "was copied 2 times in warm-up and 1 times in this iteration" in fewer
     with hc.substituting(w, e):
         counted(2)  # as observed: fine
 
@@ -349,7 +340,7 @@ PINNED = ("Cannot copy between CPU and CUDA tensors during CUDA graph capture un
 def _chained():
     try:
         raise RuntimeError(PINNED)
-    except RuntimeError as inner:
+    except RuntimeError:  # the next error's __context__, as torch's chained capture errors
         try:
             raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
         except RuntimeError as outer:
@@ -462,11 +453,7 @@ def test_a_read_of_inputs_or_weights_refuses_as_a_host_synchronisation():
     observe(w, e, fwd)
     assert not e.host_copies.reads
 
-    def capture():
-        with hc.substituting(w, e):
-            fwd()
-
-    text = _refused(capture)
+    text = _refused_at_capture(w, e, fwd)
     line = _line_of(fwd, "# data-dependent")
     assert "a host synchronisation at " in text and f"{HERE}:{line}" in text
     assert "computed from the model's inputs or weights" in text
@@ -501,11 +488,8 @@ def test_a_read_whose_recipe_was_not_observed_refuses():
     w, e = watch("cpu"), Entry()
     observe(w, e, lambda: torch.full((2,), 1.0).sum().item())
 
-    def capture():
-        with hc.substituting(w, e):
-            torch.full((2,), 2.0).sum().item()  # another constant
-
-    assert "that the warm-up iterations did not read" in _refused(capture)
+    another_constant = lambda: torch.full((2,), 2.0).sum().item()  # noqa: E731
+    assert "that the warm-up iterations did not read" in _refused_at_capture(w, e, another_constant)
 
 
 def test_reads_that_differed_between_warm_ups_refuse():
@@ -514,11 +498,7 @@ def test_reads_that_differed_between_warm_ups_refuse():
     (r,) = e.host_copies.reads.values()
     r.varied = "the value differed between iterations (a non-deterministic op)"
 
-    def capture():
-        with hc.substituting(w, e):
-            torch.full((2,), 1.0).sum().item()
-
-    assert "read differently" in _refused(capture)
+    assert "read differently" in _refused_at_capture(w, e, lambda: torch.full((2,), 1.0).sum().item())
 
 
 def test_higher_order_operators_run_and_forget():
