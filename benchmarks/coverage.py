@@ -409,13 +409,14 @@ def graphed(row: dict) -> bool:
 
 def summarize_n(rows: list[dict]) -> dict:
     ran = [r for r in rows if r["status"] == "ok"]
+    pgd = [r for r in ran if "speedup" in r]  # all of them, unless --modes left the pgd mode out
     mem = [r for r in ran if "mem_ratio" in r]
-    return {"models": len(rows), "ran": len(ran),
+    return {"models": len(rows), "ran": len(ran), "pgd_ran": len(pgd),
             "skipped": [r["model"] for r in rows if r["status"] == "skipped"],
             "errors": [r["model"] for r in rows if r["status"] not in ("ok", "skipped")],
-            "graphed": sum(graphed(r) for r in ran), "not_graphed": [r["model"] for r in ran if not graphed(r)],
-            "at_least_ddp": sum(r.get("speedup", 0) >= 1.0 for r in ran),
-            "slower": [r["model"] for r in ran if r.get("speedup", 0) < 1.0],
+            "graphed": sum(graphed(r) for r in pgd), "not_graphed": [r["model"] for r in pgd if not graphed(r)],
+            "at_least_ddp": sum(r["speedup"] >= 1.0 for r in pgd),
+            "slower": [r["model"] for r in pgd if r["speedup"] < 1.0],
             "eager_measured": sum("speedup_eager" in r for r in ran),
             "eager_parity": sum(r.get("speedup_eager", 0) >= EAGER_PARITY for r in ran),
             "eager_slower": [r["model"] for r in ran if r.get("speedup_eager", EAGER_PARITY) < EAGER_PARITY],
@@ -428,9 +429,11 @@ def summary_text(n: int, s: dict) -> str:
         return f"{k}/{of} ({100 * k / of:.1f}%)" if of else "0/0"
 
     text = (f"# summary N={n}: {s['models']} models, {s['ran']} ran, {len(s['skipped'])} skipped, "
-            f"{len(s['errors'])} errors or timeouts; graphed (tier 1 or 2) {share(s['graphed'], s['ran'])}; "
-            f">= 1.0x DDP {share(s['at_least_ddp'], s['ran'])}; memory <= DDP+10% "
-            f"{share(s['memory_within'], s['memory_measured']) if s['memory_measured'] else 'not measured (CPU)'}")
+            f"{len(s['errors'])} errors or timeouts")
+    if s["pgd_ran"]:
+        text += (f"; graphed (tier 1 or 2) {share(s['graphed'], s['pgd_ran'])}; "
+                 f">= 1.0x DDP {share(s['at_least_ddp'], s['pgd_ran'])}; memory <= DDP+10% "
+                 f"{share(s['memory_within'], s['memory_measured']) if s['memory_measured'] else 'not measured (CPU)'}")
     if s.get("eager_measured"):
         text += (f"; graphs=False >= {EAGER_PARITY}x DDP {share(s['eager_parity'], s['eager_measured'])}")
     for label, key in (("not graphed", "not_graphed"), ("slower than DDP", "slower"),

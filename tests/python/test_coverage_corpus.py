@@ -103,6 +103,18 @@ def test_first_reason_names_the_line():
     assert first_reason({"events": [], "graphs": [], "summary": {"eager_reasons": []}}) == ("", "")
 
 
+def test_a_run_without_the_pgd_mode_judges_only_the_eager_one():
+    """--modes ddp,pgd_eager: no row has pgd's speed or tier, so none counts as
+    slower than DDP or not graphed."""
+    from coverage import summarize_n, summary_text
+
+    rows = [{"model": "m", "status": "ok", "speedup_eager": 0.9}]
+    s = summarize_n(rows)
+    assert s["pgd_ran"] == 0 and s["slower"] == [] and s["not_graphed"] == [] and s["eager_slower"] == ["m"]
+    text = summary_text(1, s)
+    assert "graphed (tier 1 or 2)" not in text and "graphs=False >= 0.98x DDP 0/1" in text, text
+
+
 # ----------------------------------------------------------------------- GPU
 def corpus_bitwise(model: str, steps: int = 16):
     """One corpus model trained ``steps`` steps with graphs and with graphs=False
