@@ -144,16 +144,13 @@ def call_site(depth: int = 1) -> tuple[str, str] | None:
 
 
 def _site_text(frame) -> str:
-    try:
-        # The reasons' own naming: a framework's line, then the user's.
-        from .monitor import frames_of, locate
+    # The reasons' own naming: a framework's line, then the user's (imported here: this
+    # module stays torch-only at import).
+    from .monitor import frames_of, locate
 
-        site = locate(frames_of(frame))
-        if site is not None:
-            return str(site)
-    except ImportError:
-        pass
-    return f"{os.path.relpath(os.path.abspath(frame.f_code.co_filename))}:{frame.f_lineno}"
+    site = locate(frames_of(frame))
+    return str(site) if site is not None else (
+        f"{os.path.relpath(os.path.abspath(frame.f_code.co_filename))}:{frame.f_lineno}")
 
 
 # ================================================================ constant recipes
