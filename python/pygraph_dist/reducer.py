@@ -85,6 +85,10 @@ class UnsupportedGradientError(RuntimeError):
     """A gradient the reducer cannot reduce (sparse where a dense one was planned, or the reverse)."""
 
 
+class OutsideGradientError(RuntimeError):
+    """The user's backward reached parameters outside a graphed model call (tier 2, split.py)."""
+
+
 class GradientReducer:
     def __init__(
         self,
@@ -217,8 +221,6 @@ class GradientReducer:
         if not self.enabled:
             return
         if self.outside_grad_error is not None:
-            from .split import OutsideGradientError
-
             raise OutsideGradientError(self.outside_grad_error)
         if not self._finalize_queued:
             Variable._execution_engine.queue_callback(self._finalize)
@@ -267,10 +269,8 @@ class GradientReducer:
             self._launch_in_order()
 
     def _launch_in_order(self) -> None:
-        while (
-            self._next_bucket < len(self.buffers)
-            and self._ready[self._next_bucket] == len(self.bucket_params[self._next_bucket])
-        ):
+        ready, params = self._ready, self.bucket_params
+        while self._next_bucket < len(self.buffers) and ready[self._next_bucket] == len(params[self._next_bucket]):
             self._launch(self._next_bucket)
 
     def _launch(self, b: int) -> None:

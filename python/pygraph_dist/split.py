@@ -57,12 +57,9 @@ from .split_lane import LaneCaptureError, LaneGraphs, output_tensors
 from .spans import timed
 from .outputs import fresh_copy, map_outputs
 from .pool_account import PoolAccount
+from .reducer import OutsideGradientError
 
 logger = logging.getLogger("pygraph_dist")
-
-
-class OutsideGradientError(RuntimeError):
-    """The user's backward reached parameters outside a graphed model call."""
 
 
 class _GraphedCall(torch.autograd.Function):
