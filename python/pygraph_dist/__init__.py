@@ -30,7 +30,7 @@ from .conformance import LoopConformanceError
 from .engine import Engine
 from .lifetime import live_engines, teardown_all
 from .launch_env import LaunchEnvironment, LaunchError, detect, init
-from .report import Report, model_report, warn_stock_backend
+from .reporting import Report, model_report, warn_stock_backend
 
 __all__ = [
     "AccumulationReadError",

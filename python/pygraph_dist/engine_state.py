@@ -45,10 +45,10 @@ class EngineState:
 
     # ================================================================== report
     def describe(self):
-        """This model's :class:`~pygraph_dist.report.ModelReport`."""
+        """This model's :class:`~pygraph_dist.reporting.ModelReport`."""
         from dataclasses import asdict
 
-        from .report import ModelReport
+        from .reporting import ModelReport
 
         tier2 = ""
         if self.loop.verdict:

@@ -354,8 +354,8 @@ def pad_batch(args: tuple, kwargs: dict, sizes: tuple[int, ...], value) -> tuple
 
 
 def describe_entries(entries, bucket_kinds: list[str]) -> list:
-    """One :class:`~pygraph_dist.report.GraphReport` per signature, in first-seen order."""
-    from .report import GraphReport
+    """One :class:`~pygraph_dist.reporting.GraphReport` per signature, in first-seen order."""
+    from .reporting import GraphReport
 
     out = []
     for e in entries:

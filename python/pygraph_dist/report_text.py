@@ -1,6 +1,6 @@
 """The text of ``pygraph_dist.report()``: a few lines per model, or everything.
 
-Both forms are rendered from :func:`pygraph_dist.report.summarize` and the
+Both forms are rendered from :func:`pygraph_dist.reporting.summarize` and the
 same per-signature records, so what the summary says ran is what the table
 shows.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import textwrap
 
-from .report import STOCK_BACKEND, ModelReport, brief, fix_for, reason_items, summarize
+from .reporting import STOCK_BACKEND, ModelReport, brief, fix_for, reason_items, summarize
 
 WIDTH = 110  # verbose reasons wrap here: no paragraph on one line
 MORE = "details: pygraph_dist.report(verbose=True)"

@@ -31,7 +31,7 @@ from pygraph_dist.capture import GraphRunner
 from pygraph_dist.capture_guard import describe_capture_error, error_site, failure_where
 from pygraph_dist.graph_cache import GraphCache
 from pygraph_dist.monitor import _PKG_DIR, _TORCH_DIR
-from pygraph_dist.report import ModelReport, Report
+from pygraph_dist.reporting import ModelReport, Report
 
 PINNED = ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor "
           "is pinned")

@@ -59,7 +59,7 @@ def test_an_accounting_error_never_reaches_the_capture(monkeypatch):
 
 
 def test_the_verbose_report_prints_it_for_a_live_graph():
-    from pygraph_dist.report import GraphReport
+    from pygraph_dist.reporting import GraphReport
     from pygraph_dist.report_text import _table
 
     fields = dict(inputs="x", phase="replay", reason="", iterations=10, replays=8, eager_iterations=2,

@@ -231,7 +231,7 @@ class PGDStrategy(DDPStrategy):
     the Trainer's ``precision`` and ``gradient_clip_val``. ``fit`` ends with a
     teardown that releases the graphs; ``strategy.last_report`` is
     ``pygraph_dist``'s report of this model just before it (tiers, replays): a
-    :class:`~pygraph_dist.report.ModelReport`, which ``print()`` shows as the
+    :class:`~pygraph_dist.reporting.ModelReport`, which ``print()`` shows as the
     text of ``pygraph_dist.report()``."""
 
     strategy_name = NAME

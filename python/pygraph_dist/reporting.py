@@ -389,15 +389,15 @@ class Report:
         """Plain JSON types only, so ``json.loads(json.dumps(d)) == d``.
 
         ``{"models": [model, ...]}``, one ``model`` per wrapped model in creation
-        order: every :class:`~pygraph_dist.report.ModelReport` field (``model``, ``rank``,
+        order: every :class:`~pygraph_dist.reporting.ModelReport` field (``model``, ``rank``,
         ``world_size``, ``graphs_possible``, ``graphs_reason``, ``loop``,
         ``amp``, ``optimizer``, ``optimizer_changes``, ``buckets``, ``backend``,
         ``eager_buckets``, ``skipped_steps``, ``compile``, ``accumulation``,
         ``stock_backend``, ``tier1_needs``), ``graphs``: one dict per input
-        signature with the :class:`~pygraph_dist.report.GraphReport` fields (``where``: the
+        signature with the :class:`~pygraph_dist.reporting.GraphReport` fields (``where``: the
         ``file:line`` that raised when ``reason`` is a failed capture), ``events``: the raw event
         log [{iteration, inputs, event, detail, where}], and ``summary``: see
-        :func:`~pygraph_dist.report.summarize` (steps, replayed, eager, status, tiers, timings,
+        :func:`~pygraph_dist.reporting.summarize` (steps, replayed, eager, status, tiers, timings,
         precision, eager reasons with fixes, counted events)."""
         return {"models": [{**asdict(m), "summary": summarize(m)} for m in self.models]}
 
