@@ -1,26 +1,30 @@
 """The text of ``pygraph_dist.report()``: a few lines per model, or everything.
 
-Both forms are rendered from :func:`pygraph_dist.reporting.summarize` and the
-same per-signature records, so what the summary says ran is what the table
-shows.
+Both forms are rendered from a model's summary (:func:`pygraph_dist.reporting.summarize`)
+and the same per-signature records, so what the summary says ran is what the table
+shows. The records and their summaries are passed in: ``m`` below is a
+:class:`~pygraph_dist.reporting.ModelReport` and ``s`` its summary. This module
+sits below :mod:`~pygraph_dist.reporting` (whose records print through it) and
+imports nothing of it.
 """
 
 from __future__ import annotations
 
 import textwrap
 
-from .reporting import STOCK_BACKEND, ModelReport, brief, fix_for, reason_items, summarize
+from .report_reasons import STOCK_BACKEND, brief, fix_for, reason_items
 
 WIDTH = 110  # verbose reasons wrap here: no paragraph on one line
 MORE = "details: pygraph_dist.report(verbose=True)"
 
 
-def render(models: list[ModelReport], verbose: bool) -> str:
+def render(models: list[tuple], verbose: bool) -> str:
+    """The text of ``models``: (record, its summary) pairs."""
     if not models:
         return "pygraph_dist: no wrapped model in this process"
     lines: list[str] = []
-    for m in models:
-        lines += _verbose(m) if verbose else _default(m)
+    for m, s in models:
+        lines += _verbose(m, s) if verbose else _default(m, s)
     if not verbose:
         lines.append(f"  ({MORE})")
         lines = [w for line in lines for w in _fold(line)]
@@ -80,7 +84,7 @@ def _event_text(group: dict, limit: int = 110) -> str:
     return text
 
 
-def _extras(m: ModelReport, s: dict) -> list[str]:
+def _extras(m, s: dict) -> list[str]:
     """Precision, compile, accumulation, skipped steps: one short phrase each."""
     out = [f"precision: {s['precision']}"]
     if m.compile:
@@ -93,8 +97,7 @@ def _extras(m: ModelReport, s: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------ default
-def _default(m: ModelReport) -> list[str]:
-    s = summarize(m)
+def _default(m, s: dict) -> list[str]:
     lines = [f"pygraph_dist — {m.model} (rank {m.rank} of {m.world_size}): {_ran(s)}"]
     train = [g for g in m.graphs if g.tier != "eval"]
     if len(train) > 1:
@@ -159,8 +162,7 @@ def _wrapped(label: str, text: str, indent: str, world_size: int = 0) -> list[st
     return out
 
 
-def _verbose(m: ModelReport) -> list[str]:
-    s = summarize(m)
+def _verbose(m, s: dict) -> list[str]:
     lines = [f"pygraph_dist report — {m.model} (rank {m.rank} of {m.world_size})",
              f"  ran: {_ran(s)}"]
     opt = m.optimizer + (f" ({', '.join(m.optimizer_changes)})" if m.optimizer_changes else "")
@@ -208,7 +210,7 @@ def _verbose(m: ModelReport) -> list[str]:
     return lines
 
 
-def _table(m: ModelReport) -> tuple[list[str], set[str]]:
+def _table(m) -> tuple[list[str], set[str]]:
     """The per-signature table, and the reasons it printed."""
     lines = [f"  {'inputs':<34} {'status':<17} {'iters':>6} {'replays':>8} {'eager':>6} "
              f"{'capture':>8} {'setup':>7} {'pool':>8}  collectives"]

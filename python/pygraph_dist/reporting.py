@@ -6,7 +6,9 @@ reader sees is derived from those records by :func:`summarize`, so the
 summary line, the per-signature table and the JSON form cannot disagree:
 "tier 2" is said only of a signature whose graphs replayed at tier 2, and a
 signature that ended eager is reported eager, whatever the loop check found.
-The text is rendered by :mod:`~pygraph_dist.report_text`.
+The text is rendered by :mod:`~pygraph_dist.report_text` from the records and
+their summaries; reasons are cut and given fixes by
+:mod:`~pygraph_dist.report_reasons`. Both sit below this module.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from .capture_guard import failure_where
+from .report_reasons import brief, fix_for, reason_items
+from .report_text import render
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -32,33 +36,8 @@ _NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 # Events whose detail differs every time (timings, sizes): counted by name only.
 _ROUTINE = {"captured", "selected"}
 
-# Fixes for eager reasons that do not carry one themselves (the loop check's
-# reasons, capture failures and argument warnings say what to change already).
-FIXES: tuple[tuple[str, str], ...] = (
-    ("was replaced by another object",
-     "change the value in place instead of assigning a new object, e.g. param_group['lr'].fill_(lr)"),
-    ("changed from",
-     "graphs bake this value in and capture again at each change: change it rarely, or keep it fixed"),
-    ("evicted from the graph cache",
-     "raise wrap(max_graphs=...), or pass wrap(pad_batch_to=...) so that fewer input shapes reach "
-     "the model"),
-    ("above graph_memory_mb", "raise wrap(graph_memory_mb=...), or leave it unset"),
-    ("is not faster than eager",
-     "expected where kernels, not launches, bound the step; wrap(select=False) keeps the graph anyway"),
-    ("not on a CUDA device", "move the model to a CUDA device before wrap()"),
-    ("the optimizer state was loaded", "load optimizer checkpoints before training, not every step"),
-    ("a parameter's storage was replaced",
-     "load weights in place (load_state_dict() without assign=True, or p.data.copy_(...))"),
-    ("a parameter was frozen or unfrozen",
-     "freeze or unfreeze parameters rarely: each change captures again"),
-)
-
-# What the stock backend costs, and how to keep the graph-safe one (backend.py:
-# pgd.init()'s "auto" is "cpu:gloo,cuda:pgd_nccl"; register() makes the name known).
-STOCK_BACKEND = ("stock backend: collective fingerprints off, so a rank whose captured collectives "
-                 "differ is not named; keep them with pgd.init(), or pygraph_dist.backend.register() "
-                 "then init_process_group(backend='cpu:gloo,cuda:pgd_nccl')")
-# What wrap() says once (warn_stock_backend): the same, with what it means at run time.
+# What wrap() says once (warn_stock_backend): report_reasons.STOCK_BACKEND, with what it
+# means at run time.
 STOCK_BACKEND_AT_WRAP = ("the process group uses torch's stock backend, not pygraph_dist's graph-safe "
                          "one: collective fingerprints are off, so a capture whose collectives differ "
                          "between ranks is not caught (with them it falls back to eager and names the "
@@ -141,9 +120,7 @@ class ModelReport:
 
     def text(self, verbose: bool = False) -> str:
         """This model's part of :func:`pygraph_dist.report`'s text."""
-        from .report_text import render
-
-        return render([self], verbose)
+        return render([(self, summarize(self))], verbose)
 
     def __str__(self) -> str:
         """The text report, as ``print(pgd.report())`` shows it for this model
@@ -176,84 +153,6 @@ class ModelReport:
 
 
 # ------------------------------------------------------------------ summary
-_ANCHOR = re.compile(r" at (?:\S+:\d+|<unknown>)\. ")
-_SITE = "; raised at "  # what capture_guard.site_text puts before the line that raised
-
-
-def split_violations(text: str) -> list[str]:
-    """The loop check's reasons, one per item: it joins ``"what at file:line. fix"``
-    strings with ``"; "`` (probe.ProbeCalls._finish_probe), and fixes may hold ``"; "`` too,
-    so a new item starts at the last ``"; "`` before the next ``" at file:line. "``."""
-    anchors = list(_ANCHOR.finditer(text))
-    if len(anchors) < 2:
-        return [text] if text else []
-    items, start = [], 0
-    for prev, nxt in zip(anchors, anchors[1:]):
-        cut = text.rfind("; ", prev.end(), nxt.start())
-        if cut < 0:
-            continue
-        items.append(text[start:cut])
-        start = cut + 2
-    items.append(text[start:])
-    return items
-
-
-def reason_items(text: str, world_size: int = 0) -> list[str]:
-    """A reason as separate items, each once. Agreed reasons are ``"rank 0: ...;
-    rank 1: ..."`` (agreement.agree), mostly the same on every rank: an item all
-    ``world_size`` ranks gave is shown once without ranks, others keep theirs."""
-    parts = re.split(r"(?:^|; )rank (\d+): ", text)
-    if len(parts) < 3 or parts[0]:
-        return split_violations(text)
-    ranks_of: dict[str, list[int]] = {}
-    for i in range(1, len(parts), 2):
-        for item in split_violations(parts[i + 1]):
-            ranks_of.setdefault(item.rstrip(". "), []).append(int(parts[i]))  # the last one ends in "."
-    everyone = set(range(world_size)) if world_size else {r for rs in ranks_of.values() for r in rs}
-    return [item if set(rs) >= everyone else f"rank{'s' if len(rs) > 1 else ''} "
-            f"{', '.join(map(str, rs))}: {item}" for item, rs in ranks_of.items()]
-
-
-def brief(item: str, limit: int = 200) -> str:
-    """One reason in about one sentence: ``what at file:line. fix`` without the
-    examples in brackets, or the text cut near ``limit`` at a clause boundary.
-    A failed capture's ``"; raised at file:line ..."`` is kept whole after the cut."""
-    site = item.find(_SITE)
-    if site > 0:
-        return brief(item[:site], limit) + item[site:]
-    anchor = _ANCHOR.search(item)
-    if anchor:
-        what = _drop_brackets(item[:anchor.start()])
-        item = f"{what}{anchor.group(0)}{item[anchor.end():]}"
-        if len(item) <= 1.5 * limit:
-            return item
-    if len(item) <= limit:
-        return item
-    cut = max(item.rfind(sep, 0, limit) for sep in (". ", "; ", ", ", " ("))
-    return item[:cut if cut > limit // 3 else limit].rstrip(" .;,") + " …"
-
-
-def _drop_brackets(text: str) -> str:
-    """``text`` without its top-level `` (...)`` asides (which may nest: ``parameters()``)."""
-    out, depth = [], 0
-    for i, ch in enumerate(text):
-        if ch == "(" and (depth or text[i - 1:i] == " "):
-            depth += 1
-            if depth == 1 and out and out[-1] == " ":
-                out.pop()
-            continue
-        if depth:
-            depth -= ch == ")"
-            continue
-        out.append(ch)
-    return "".join(out)
-
-
-def fix_for(reason: str) -> str:
-    """The fix :data:`FIXES` knows for ``reason`` ('' when the reason says it itself)."""
-    return next((fix for needle, fix in FIXES if needle in reason), "")
-
-
 def _precision(m: ModelReport) -> str:
     amp = m.amp.split(" ")[0] if m.amp else "fp32"
     weights: dict[str, int] = {}
@@ -424,9 +323,7 @@ class Report:
     def text(self, verbose: bool | None = None) -> str:
         """The text ``str(report)`` prints; ``verbose`` overrides the form chosen at
         :func:`pygraph_dist.report`."""
-        from .report_text import render
-
-        return render(self.models, self.verbose if verbose is None else verbose)
+        return render([(m, summarize(m)) for m in self.models], self.verbose if verbose is None else verbose)
 
     def __str__(self) -> str:
         return self.text()

@@ -26,9 +26,10 @@ import torch.distributed as dist
 from torch.nn.utils import clip_grad_norm_ as imported_clip_grad_norm_  # bound before wrap() (clip=9)
 import pygraph_dist as pgd
 from common import MLP, data, device
-from pygraph_dist.reporting import GraphReport, ModelReport, Report, split_violations, summarize
-
+from pygraph_dist.report_reasons import split_violations
+from pygraph_dist.reporting import GraphReport, ModelReport, Report, summarize
 import pygraph_dist.reporting as report_mod  # pgd.report is the function; the module is reporting
+
 MAX_LINES = 12
 INPUTS = "(64, 256) int64, (64, 256) int64"
 LR_REASON = "param group 0: 'lr' was replaced by another object"
