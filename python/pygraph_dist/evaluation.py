@@ -39,19 +39,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.utils._pytree as pytree
 
 from . import host_copies
 from ._ext import C
+from .capture import GraphRunner
 from .capture_guard import describe_capture_error
-from .graph_cache import GraphEntry, discard
+from .config import WrapConfig
+from .graph_cache import GraphCache, GraphEntry, discard
 from .outputs import map_outputs
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .engine import Engine
+from .step import IterationStep
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -60,10 +60,32 @@ EVAL_WARMUP = 2  # eager forwards on the capture stream before the capture
 EVAL_TIER = "eval"
 
 
+class EvalEngine(Protocol):
+    """What evaluation reads of the wrapped model's engine (``engine.Engine``,
+    which builds :class:`EvalGraphs` in ``wiring.py``); this module sits below it."""
+
+    module: torch.nn.Module
+    config: WrapConfig
+    step: IterationStep
+    cache: GraphCache
+    runner: GraphRunner
+    fp_backend: object | None  # the graph-safe backend, recording collectives (None: stock)
+    device: torch.device
+    rank: int
+    iteration: int
+    graphs_possible: bool
+    graphs_reason: str
+    buffers_sync_due: bool  # written: the buffers' broadcast is done here
+
+    def _signature(self, args: tuple, kwargs: dict, leaves: list, spec) -> tuple[list, object]: ...
+
+    def _ambient(self) -> tuple: ...
+
+
 class EvalGraphs:
     """Forward-only graphs of one wrapped model (entries of its graph cache)."""
 
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: EvalEngine) -> None:
         self.engine = engine
 
     def call(self, args: tuple, kwargs: dict):
