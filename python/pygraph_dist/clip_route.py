@@ -13,7 +13,8 @@ graphed per micro-batch (tier 2), its clipping eager between the graphs --
 0.6 ms of host time at 18 parameter tensors, 5.5 ms at 500 (issue 26). Now:
 
 * :func:`install` (at the first ``wrap()``) puts :func:`clip_grad_norm_` in
-  place of ``torch.nn.utils.clip_grad_norm_`` (and ``torch.nn.utils.clip_grad``'s).
+  place of ``torch.nn.utils.clip_grad_norm_`` (and ``torch.nn.utils.clip_grad``'s);
+  ``pgd.shutdown()`` puts torch's back (``patches.py``, entry ``clip_grad_norm_``).
   For parameters that are not a wrapped model's it calls torch's, unchanged.
 * During the probe (the loop as written), a clip over *all* of a wrapped
   model's trainable parameters, norm 2, with nothing else unusual, runs as
@@ -61,20 +62,17 @@ import functools
 import math
 import operator
 import os
-import sys
 import types
 import zlib
 
 import torch
 
-from . import lifetime
+from . import lifetime, patches
 from .bucket_comm import copy_plan
 
 # torch's functions, as they were before install(); the step calls these.
-ORIGINAL = torch.nn.utils.clip_grad_norm_
+ORIGINAL = patches.TORCH_CLIP_GRAD_NORM
 _TOTAL_NORM = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
-_MODULES = (torch.nn.utils, torch.nn.utils.clip_grad)
-_installed = False
 
 
 def clip_in_spans(params, max_norm: float, foreach: bool | None = None, *, spans: bool | None = None) -> torch.Tensor:
@@ -145,54 +143,20 @@ class ClipPlan:
         return f"clip_grad_norm_(max_norm={self.max_norm:g}) inside the step graph"
 
 
-_OWN = ("pygraph_dist", "torch")  # packages whose names install() leaves as they are
-_MODULE_DICT = types.ModuleType.__dict__["__dict__"]
-_rebound: list[tuple[dict, str]] = []  # (module globals, name) that install() rebound
-
-
 def install() -> None:
     """Put :func:`clip_grad_norm_` in place of torch's (once), and in place of
-    the names the calling script bound to torch's function (every call)."""
-    global _installed
-    if not _installed:
-        for mod in _MODULES:
-            if getattr(mod, "clip_grad_norm_", None) is ORIGINAL:
-                mod.clip_grad_norm_ = clip_grad_norm_
-        _installed = True
-    spaces = []
-    for name, mod in list(sys.modules.items()):  # the script and the modules it imported
-        if isinstance(mod, types.ModuleType) and not _own(name):
-            try:  # the module's own dict, past any __dict__ or __getattr__ of a module subclass
-                spaces.append(_MODULE_DICT.__get__(mod))
-            except Exception:  # noqa: BLE001 - a module that cannot be read keeps its names
-                continue
-    frame = sys._getframe(1)
-    while frame is not None:  # wrap()'s callers: the script, or the framework that wraps for it
-        if not _own(frame.f_globals.get("__name__", "")):
-            spaces.append(frame.f_globals)
-        frame = frame.f_back
-    rebind(spaces)
+    the names the calling script bound to torch's function (every call); the
+    rebinding itself is ``patches.route_clip_grad_norm`` (undone at ``pgd.shutdown()``)."""
+    patches.route_clip_grad_norm(clip_grad_norm_)
 
 
-def _own(name) -> bool:
-    name = str(name)
-    return any(name == p or name.startswith(p + ".") for p in _OWN)
+_own = patches.own_package  # the packages whose names install() leaves alone
 
 
 def rebind(spaces: list[dict]) -> list[str]:
     """Every global of ``spaces`` that is torch's ``clip_grad_norm_`` becomes the
     router; returns the names. ``uninstall`` binds them back."""
-    names, seen = [], set()
-    for space in spaces:
-        if id(space) in seen:
-            continue
-        seen.add(id(space))
-        for name, value in list(space.items()):
-            if value is ORIGINAL:
-                space[name] = clip_grad_norm_
-                _rebound.append((space, name))
-                names.append(f"{space.get('__name__', '?')}.{name}")
-    return names
+    return patches.rebind_clip_names(spaces, clip_grad_norm_)
 
 
 # ------------------------------------------------ model.parameters(), cached
@@ -261,15 +225,7 @@ def cached_parameters(module) -> tuple | None:
 
 def uninstall() -> None:
     """Give torch its function back (tests), also to the names :func:`install` rebound."""
-    global _installed
-    for mod in _MODULES:
-        if getattr(mod, "clip_grad_norm_", None) is clip_grad_norm_:
-            mod.clip_grad_norm_ = ORIGINAL
-    for space, name in _rebound:
-        if space.get(name) is clip_grad_norm_:
-            space[name] = ORIGINAL
-    _rebound.clear()
-    _installed = False
+    patches.undo("clip_grad_norm_")
 
 
 @functools.wraps(ORIGINAL)

@@ -15,7 +15,8 @@ Three things make a compiled module safe to capture, and are handled here:
 * AOTAutograd's *donated buffers* (saved activations the compiled backward may
   overwrite) forbid ``backward(retain_graph=True)``, which tier 2 uses to
   capture its backward variants: ``torch._functorch.config.donated_buffer``
-  is set to False when a compiled module is wrapped.
+  is set to False when a compiled module is wrapped, until ``pgd.shutdown()``
+  (``patches.disable_donated_buffers``: why it cannot be narrowed to the compile).
 * Compile time: dynamo's compile callbacks time every compilation
   (recompilations for new input shapes included) for ``report()``.
 """
@@ -28,6 +29,8 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+
+from . import patches
 
 COMPILE_KEYS = ("mode", "options", "dynamic", "fullgraph", "backend")
 _CUDAGRAPH_MODES = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
@@ -80,11 +83,7 @@ def compile_kwargs(spec) -> dict | None:
 def _global_cudagraphs() -> bool:
     """``torch._inductor.config.triton.cudagraphs``: what a compilation that
     does not say otherwise uses (set by the user, or by a recipe they import)."""
-    try:
-        from torch._inductor import config as inductor_config
-    except ImportError:  # pragma: no cover - torch without inductor
-        return False
-    return bool(getattr(inductor_config.triton, "cudagraphs", False))
+    return patches.inductor_cudagraphs()
 
 
 def _compiler_config(module: torch.nn.Module) -> dict | None:
@@ -142,22 +141,15 @@ def check_compiled_module(module: torch.nn.Module, compile_spec) -> None:
 
 
 def disable_donated_buffers() -> bool:
-    """Turn AOTAutograd's donated buffers off for the process: tier 2 captures
-    its backward variants with ``retain_graph=True``, which a backward compiled
-    with donated buffers refuses. Process-wide because on torch 2.11 (the GPU
-    machine) a ``config.patch(donated_buffer=False)`` around the model call
-    alone was not enough: tier-2 capture still failed with torch's
-    donated-buffer error (the flag is also consulted when the backward runs,
-    which for tier 2 is the user's ``backward()``). Costs the compiled backward
-    some memory reuse. True if it was on."""
-    try:
-        import torch._functorch.config as functorch_config
-    except ImportError:  # pragma: no cover - torch without functorch config
-        return False
-    if not getattr(functorch_config, "donated_buffer", False):
-        return False
-    functorch_config.donated_buffer = False
-    return True
+    """Turn AOTAutograd's donated buffers off for the process until
+    ``pgd.shutdown()``: tier 2 captures its backward variants with
+    ``retain_graph=True``, which a backward compiled with donated buffers
+    refuses. Process-wide because on torch 2.11 (the GPU machine) a
+    ``config.patch(donated_buffer=False)`` around the model call alone was not
+    enough: the flag is also consulted when the backward runs, which for tier 2
+    is the user's ``backward()`` (patches.py, ``functorch.donated_buffer``).
+    Costs the compiled backward some memory reuse. True if it was on."""
+    return patches.disable_donated_buffers()
 
 
 # ------------------------------------------------------------ compile time
@@ -191,16 +183,8 @@ class _Timer:
         if handler is not None and self._start in handler.start_callbacks:
             return True
         with self.lock:
-            if self.handler is None:
-                try:
-                    from torch._dynamo.callback import callback_handler
-                except ImportError:
-                    return False
-                self.handler = callback_handler
-            if self._start not in getattr(self.handler, "start_callbacks", []):
-                self.handler.register_start_callback(self._start)
-                self.handler.register_end_callback(self._end)
-            return True
+            self.handler = patches.register_compile_callbacks(self._start, self._end)  # undone at shutdown
+            return self.handler is not None
 
     def _start(self, *args) -> None:
         self.started = time.perf_counter()

@@ -37,7 +37,8 @@ it would hang the exit for ever, so the communicators of the live engines are
 aborted instead (``ProcessGroup.abort()``, ``ncclCommAbort``: NCCL's kernels
 poll its flag) and the exit goes on, with an error in the log.
 
-:func:`uninstall` puts ``ProcessGroup.shutdown`` back (``pgd.shutdown()``).
+:func:`uninstall` puts ``ProcessGroup.shutdown`` back (``pgd.shutdown()``); the
+hook and its undo are ``patches.py``'s (entry ``ProcessGroup.shutdown``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ import weakref
 from typing import Any, Protocol
 
 import torch.distributed as dist
+
+from . import patches
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -182,59 +185,27 @@ def release_for(group) -> None:
     _release([e for e in live_engines() if _same_group(getattr(e, "group", None), group)])
 
 
-_INHERITED = object()  # ``ProcessGroup.shutdown`` came from a base class
-
-
-def _make_shutdown_hook(original):
-    def shutdown(self, *args, **kwargs):
-        try:
-            release_for(self)
-        except Exception:  # noqa: BLE001 - never stand between the user and the group's shutdown
-            logger.warning("releasing graphs before the process group's shutdown failed", exc_info=True)
-        return original(self, *args, **kwargs)
-
-    shutdown._pgd_original = original  # type: ignore[attr-defined]
-    shutdown.__doc__ = getattr(original, "__doc__", None)
-    shutdown.__name__ = "shutdown"
-    return shutdown
-
-
 def install() -> None:
-    """Hook the process group's shutdown and register the exit handler (once)."""
+    """Register the exit handler (once) and hook the process group's shutdown
+    (``patches.hook_process_group_shutdown``: again after ``patches.undo_all()``)."""
     global _installed
     with _lock:
-        if _installed:
-            return
-        atexit.register(teardown_all)
-        cls = dist.ProcessGroup
-        current = cls.shutdown
-        if getattr(current, "_pgd_original", None) is None:
-            hook = _make_shutdown_hook(current)
-            # What to put back: the class's own attribute as stored (pybind11 keeps
-            # an ``instancemethod`` there; ``cls.shutdown`` hands out the bare
-            # builtin, which would not bind ``self`` if set back), or nothing when
-            # the method is inherited.
-            hook._pgd_stored = cls.__dict__.get("shutdown", _INHERITED)  # type: ignore[attr-defined]
-            cls.shutdown = hook
-        _installed = True
+        if not _installed:
+            atexit.register(teardown_all)
+            _installed = True
+        patches.hook_process_group_shutdown(lambda group: release_for(group), logger)
 
 
 def uninstall() -> None:
     """Undo :func:`install` (after the engines are torn down)."""
     global _installed
     with _lock:
-        if not _installed:
-            return
-        atexit.unregister(teardown_all)
-        cls = dist.ProcessGroup
-        stored = getattr(cls.shutdown, "_pgd_stored", None)
-        if stored is _INHERITED:
-            del cls.shutdown
-        elif stored is not None:
-            cls.shutdown = stored
-        _installed = False
+        if _installed:
+            atexit.unregister(teardown_all)
+            _installed = False
+        patches.undo("ProcessGroup.shutdown")
 
 
 def installed() -> bool:
     """Whether the shutdown hook is in place (for tests and ``report()``)."""
-    return _installed and getattr(dist.ProcessGroup.shutdown, "_pgd_original", None) is not None
+    return _installed and patches.process_group_shutdown_hooked()

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import agreement, clip_route, kernels
+from . import agreement, clip_route, kernels, patches
 from ._ext import graphs_available
 from .accumulation import LearnedAccumulation
 from .amp import ensure_scale_initialised, make_grad_scaler, parse_amp
@@ -200,11 +200,11 @@ def _group_timeout_s(group) -> float:
     """The collective timeout the process group was created with (what init() was
     given), for the replay watchdog; torch keeps it on the group's backend options."""
     try:
-        backend = group._get_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        timeout = patches.backend_timeout_s(
+            patches.group_backend(group, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
         if timeout is not None:
-            return float(timeout.total_seconds())
-    except (RuntimeError, AttributeError, ValueError):
+            return timeout
+    except (RuntimeError, AttributeError, ValueError):  # PrivateAPIMissing is a RuntimeError
         pass
     from . import launch_env
 
