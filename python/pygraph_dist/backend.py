@@ -15,6 +15,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from . import patches
 from ._ext import C
 
 NCCL_NAME = "pgd_nccl"
@@ -37,11 +38,11 @@ def _create_nccl(opts, backend_options):
     if backend_options is None:
         backend_options = ProcessGroupNCCL.Options()
         backend_options.is_high_priority_stream = False
-    backend_options._timeout = opts.timeout
+    patches.set_options_timeout(backend_options, opts.timeout)
     backend_options.global_ranks_in_group = opts.global_ranks_in_group
     backend_options.group_name = opts.group_id
     inner = ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size, backend_options)
-    inner._set_sequence_number_for_group()
+    patches.set_sequence_number(inner)
     wrapped = C.GraphSafeBackend(inner, "cuda")
     _remember(opts.group_id, "cuda", wrapped)
     return wrapped
@@ -53,7 +54,7 @@ def _create_gloo(opts, backend_options):
     inner = ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, timeout=opts.timeout)
     inner.options.global_ranks_in_group = opts.global_ranks_in_group
     inner.options.group_name = opts.group_id
-    inner._set_sequence_number_for_group()
+    patches.set_sequence_number(inner)
     wrapped = C.GraphSafeBackend(inner, "cpu")
     _remember(opts.group_id, "cpu", wrapped)
     return wrapped
@@ -86,7 +87,7 @@ def graph_safe_backend(group=None, device: str | torch.device = "cuda"):
     group = group if group is not None else dist.group.WORLD
     dev = torch.device(device)
     try:
-        backend = group._get_backend(dev)
+        backend = patches.group_backend(group, dev)
     except (RuntimeError, ValueError):
         return None
     if isinstance(backend, C.GraphSafeBackend):

@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import re
-import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import patches
 from ._ext import C, NOT_CAPTURABLE_TAG
 from .monitor import Site, frames_of, locate
 
@@ -121,18 +121,16 @@ def capture_into(graph, *, pool, stream, watch_generators: bool = False):
     the default one (``_GeneratorGuard``)."""
     import torch.cuda.random as cuda_random
 
-    saved = [(module, name, getattr(module, name)) for module in (torch.cuda, cuda_random)
-             for name in _RNG_STATE_FUNCTIONS]
-    for module, name, original in saved:
-        setattr(module, name, _refusing_while_capturing(name, original))
+    refusing = patches.Swap("cuda.rng_state_calls", [  # patches.py says why
+        (module, name, _refusing_while_capturing(name, getattr(module, name)))
+        for module in (torch.cuda, cuda_random) for name in _RNG_STATE_FUNCTIONS])
     try:
         with _QuietWhenEmpty(torch.cuda.graph(graph, pool=pool, stream=stream,
                                               capture_error_mode="thread_local")), \
                 (_GeneratorGuard() if watch_generators else contextlib.nullcontext()):
             yield
     finally:
-        for module, name, original in saved:
-            setattr(module, name, original)
+        refusing.undo()
 
 
 # What capture_end warns when a graph recorded no kernel: a capture that failed
@@ -151,8 +149,7 @@ class _QuietWhenEmpty:
         return self.inner.__enter__()
 
     def __exit__(self, *exc_info):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_EMPTY_GRAPH)
+        with patches.ignoring_warning(_EMPTY_GRAPH):
             return self.inner.__exit__(*exc_info)
 
 

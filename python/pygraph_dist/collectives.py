@@ -26,9 +26,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, BroadcastOptions
 
+from . import patches
 from ._ext import C
+
+AllgatherOptions, AllreduceOptions, BroadcastOptions = patches.c10d_option_classes()
 
 
 def _group(group):

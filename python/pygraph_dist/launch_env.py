@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import patches
+
 logger = logging.getLogger("pygraph_dist")
 
 DEFAULT_MASTER_PORT = 29500  # outside the ephemeral range; see mlperf-common PR #9
@@ -229,17 +231,12 @@ def _mpi_comm(e: LaunchEnvironment):
     from .launch import open_mpi_needs_agent
 
     set_agent = "mpi4py.MPI" not in sys.modules and open_mpi_needs_agent()
-    if set_agent:
-        # An Open MPI mpi4py in a process its mpirun did not start (an MPICH
-        # launch) initialises as a singleton, which starts a daemon and fails
-        # without ssh/rsh -- an abort instead of the error below. Nothing here
-        # can reach another host without them anyway. Only for MPI_Init.
-        os.environ["OMPI_MCA_plm_rsh_agent"] = "false"
-    try:
+    # An Open MPI mpi4py in a process its mpirun did not start (an MPICH
+    # launch) initialises as a singleton, which starts a daemon and fails
+    # without ssh/rsh -- an abort instead of the error below. Nothing here
+    # can reach another host without them anyway. Only for MPI_Init.
+    with patches.open_mpi_without_agent(set_agent):
         from mpi4py import MPI  # lazy: MPI_Init at import, so only when needed
-    finally:
-        if set_agent:
-            os.environ.pop("OMPI_MCA_plm_rsh_agent", None)
 
     comm = MPI.COMM_WORLD
     if comm.Get_size() != e.world_size or comm.Get_rank() != e.rank:
@@ -413,10 +410,7 @@ def init(
         # torch matches plugin names case-sensitively when it picks the default
         # backend type of a multi-backend group and misses ours; without a default
         # type, destroy_process_group warns "No backend of type 0 found".
-        try:
-            dist.group.WORLD._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
-        except (AttributeError, RuntimeError):
-            pass
+        patches.set_default_backend_custom(dist.group.WORLD)
     logger.info(
         "initialised rank %d/%d (local %d) via %s, backend %s, device %s",
         e.rank, e.world_size, e.local_rank, e.launcher, chosen, device or "cpu",

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import patches
 from .amp import dtype_name
 from .spans import timed
 
@@ -362,8 +363,7 @@ class LoopMonitor(TorchFunctionMode):
 def exit_if_on_top(mode: TorchFunctionMode) -> bool:
     """Exit ``mode`` if it is the innermost torch-function mode. False when a
     mode someone else entered sits on top: popping then would pop theirs."""
-    n = torch._C._len_torch_function_stack()
-    if n and torch._C._get_function_stack_at(n - 1) is mode:
+    if patches.top_function_mode() is mode:
         mode.__exit__(None, None, None)
         return True
     return False
@@ -376,17 +376,13 @@ def remove_from_under_own_modes(mode: TorchFunctionMode) -> bool:
     False, leaving the stack as it is, otherwise. Left in place, a mode would
     stay on the stack for the rest of the process, inert but called for every
     torch function."""
-    n = torch._C._len_torch_function_stack()
-    stack = [torch._C._get_function_stack_at(i) for i in range(n)]
+    stack = patches.function_modes()
     if mode not in stack:
         return False
     above = stack[stack.index(mode) + 1:]
     if not above or not all(getattr(m, "_pgd_mode", False) for m in above):
         return False
-    for _ in range(len(above) + 1):
-        torch._C._pop_torch_function_stack()
-    for m in above:
-        torch._C._push_on_torch_function_stack(m)
+    patches.restack_function_modes(len(above) + 1, above)
     return True
 
 
@@ -438,14 +434,8 @@ def watch_host_syncs(enabled: bool, sites: list[str]):
     if not enabled:
         yield
         return
-    previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
+    with patches.sync_debug_warnings() as caught:
+        yield
     for w in caught:
         if "called a synchronizing CUDA operation" in str(w.message):
             site = f"{w.filename}:{w.lineno}"

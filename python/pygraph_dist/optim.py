@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import patches
 from .amp import AmpConfig
 from .param_groups import watch_param_groups
 
@@ -108,7 +109,7 @@ def prepare_optimizer(
                 f"device (fused Adam, AdamW or SGD); {name} does not. Use amp='bf16', or one of those.",
             )
         _make_fused(opt, plan, "fp16 loss scaling without a host sync")
-        opt._step_supports_amp_scaling = True  # what fused=True sets in __init__
+        patches.mark_amp_scaling_step(opt)  # what fused=True sets in __init__
 
     device_lr = isinstance(opt, _TENSOR_LR)
     if isinstance(opt, torch.optim.SGD):
@@ -245,7 +246,7 @@ def make_graph_aware(opt: torch.optim.Optimizer, engine) -> torch.optim.Optimize
     if not issubclass(cls, GraphedOptimizerMixin):
         if cls not in _CLASSES:
             _CLASSES[cls] = type(f"Graphed{cls.__name__}", (GraphedOptimizerMixin, cls), {})
-        opt.__class__ = _CLASSES[cls]
+        patches.swap_class(opt, _CLASSES[cls], "optimizer.__class__")  # kept at shutdown: patches.py says why
     opt.__dict__["_pgd_engine"] = engine
     _repatch_scheduler_step(opt)
     return opt

@@ -48,7 +48,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.autograd import Variable
 
-from . import agreement, host_copies
+from . import agreement, host_copies, patches
 from .capture import copy_inputs, varying_paths
 from .capture_guard import _bucket_error, describe_capture_error
 from .graph_cache import GraphEntry, discard
@@ -89,7 +89,7 @@ class _GraphedCall(torch.autograd.Function):
 def _current_stream() -> tuple:
     """The current CUDA stream of the current device, as torch.cuda.current_stream()
     describes it to its Stream: (stream id, device index, device type)."""
-    return tuple(torch._C._cuda_getCurrentStream(torch._C._cuda_getDevice()))
+    return patches.current_stream_key()
 
 
 class _Call:

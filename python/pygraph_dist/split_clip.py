@@ -45,7 +45,7 @@ import os
 
 import torch
 
-from . import clip_route
+from . import clip_route, patches
 from .capture_guard import end_failed_capture
 from .graph_cache import discard
 from .spans import timed
@@ -93,7 +93,7 @@ class SplitClip:
         # norm runs in fp32 under it), and any torch-function or dispatch mode
         # (a user's, or one of ours) that would see or change torch's ops.
         ambient = engine._ambient()  # noqa: SLF001
-        if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():  # noqa: SLF001
+        if patches.any_mode_active():
             return self._eager("a torch-function or dispatch mode was active at the call; a graph "
                                "would bake it in or leave it out")
         if self.graph is not None and (ambient != self.ambient or reducer.param_state() != self.state):

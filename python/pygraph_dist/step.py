@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import clip_route, collectives
+from . import clip_route, collectives, patches
 from .amp import AmpConfig, ScaleGrad
 from .conformance import loss_seed
 from .outputs import find_loss, loss_error, map_outputs
@@ -344,9 +344,7 @@ class IterationStep:
     def reset_grad_scaler_round(self) -> None:
         """Forget what a failed capture left in the scaler's per-optimizer state."""
         if self.grad_scaler is not None:
-            from torch.amp.grad_scaler import _refresh_per_optimizer_state
-
-            self.grad_scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)  # noqa: SLF001
+            patches.reset_grad_scaler_round(self.grad_scaler)
 
     # ----------------------------------------------------------- inputs
     def to_device(self, args, kwargs):

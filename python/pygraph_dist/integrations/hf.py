@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 import pygraph_dist as pgd
-from pygraph_dist import GraphedModule, clip_route
+from pygraph_dist import GraphedModule, clip_route, patches
 from pygraph_dist.config import sparse_param_names
 
 from . import _hf_nan_filter
@@ -407,7 +407,7 @@ if _transformers is not None:
             super().create_accelerator_and_postprocess()
             accelerator = self.accelerator
             if not isinstance(accelerator, PGDAccelerator):
-                accelerator.__class__ = PGDAccelerator
+                patches.swap_class(accelerator, PGDAccelerator, "accelerate.Accelerator.__class__")
                 options = dict(getattr(self, "pgd_wrap_options", {}))
                 clip = self.args.max_grad_norm
                 model = getattr(self, "_pgd_model", None)
