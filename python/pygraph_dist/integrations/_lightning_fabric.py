@@ -1,6 +1,7 @@
 """Fabric's strategy ``"pgd"``: ``fabric.setup(model, optimizer)`` wraps both with
 ``pygraph_dist.wrap``. Imported (and registered) by
-``pygraph_dist.integrations.lightning``, whose helpers it shares."""
+``pygraph_dist.integrations.lightning``; what the two strategies share is in
+``_lightning_shared.py``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 
 import pygraph_dist as pgd
 
-from .lightning import NAME, _check_wrap_options, _default_backend, _init_process_group
+from ._lightning_shared import NAME, check_wrap_options, default_backend, init_process_group
 
 
 class _GraphedBackwardSyncControl(_BackwardSyncControl):
@@ -37,7 +38,7 @@ class PGDFabricStrategy(FabricDDPStrategy):
     def __init__(self, accelerator=None, parallel_devices=None, cluster_environment=None,
                  checkpoint_io=None, precision=None, process_group_backend: str | None = None,
                  timeout=default_pg_timeout, start_method: str = "popen", **wrap_options: Any) -> None:
-        _check_wrap_options(wrap_options, {})
+        check_wrap_options(wrap_options, {})
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision=precision, process_group_backend=process_group_backend,
@@ -47,12 +48,12 @@ class PGDFabricStrategy(FabricDDPStrategy):
         self.engines: list = []
 
     def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or _default_backend(self.root_device)
+        return self._process_group_backend or default_backend(self.root_device)
 
     def _setup_distributed(self) -> None:
         self._set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
-        _init_process_group(self.cluster_environment, self._process_group_backend, self._timeout)
+        init_process_group(self.cluster_environment, self._process_group_backend, self._timeout)
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         if len(optimizers) != 1:

@@ -62,20 +62,15 @@ import logging
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 import pygraph_dist as pgd
 
-from .. import backend as _backend
-from .. import launch_env
 from ..arguments import IgnoredArgs
-from ._lightning_logs import LoggedCalls, call_key
 
 try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
     from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
-    from lightning.fabric.utilities.distributed import _init_dist_connection
     from lightning.fabric.utilities.optimizer import _optimizers_to_device
     from lightning.fabric.utilities.seed import reset_seed
     from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -89,44 +84,11 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
         "pygraph_dist.integrations.lightning needs Lightning (lightning>=2.4): "
         "pip install pygraph_dist[lightning]") from exc
 
+from ._lightning_fabric import PGDFabricStrategy
+from ._lightning_logs import LoggedCalls, call_key
+from ._lightning_shared import NAME, check_wrap_options, default_backend, init_process_group
+
 logger = logging.getLogger("pygraph_dist")
-
-NAME = "pgd"
-_WRAP_OPTIONS = frozenset(inspect.signature(pgd.wrap).parameters) - {"model", "optimizer", "process_group"}
-
-
-def _check_wrap_options(options: dict, reserved: dict[str, str]) -> None:
-    unknown = sorted(set(options) - _WRAP_OPTIONS)
-    if unknown:
-        raise TypeError(f"unknown option(s) {', '.join(unknown)} for strategy 'pgd': its keyword arguments "
-                        f"are pygraph_dist.wrap()'s options ({', '.join(sorted(_WRAP_OPTIONS))}).")
-    for name, instead in reserved.items():
-        if name in options:
-            raise ValueError(f"with Trainer(strategy='pgd'), {name}= comes from {instead}; drop {name}=.")
-
-
-def _default_backend(device: torch.device) -> str:
-    """On CUDA what ``pygraph_dist.init()`` picks: the graph-safe NCCL
-    (fingerprints of captured collectives) and Gloo for CPU tensors. On a CPU
-    plain Gloo, not ``pgd_gloo``: no graph is ever captured there, and
-    Lightning's ``sync_dist`` mean (``fabric/utilities/distributed.py:
-    _sync_ddp``) replaces ``ReduceOp.AVG`` by a sum only for a group whose
-    backend is named "gloo"."""
-    return _backend.resolve("auto", cuda=True) if device.type == "cuda" else "gloo"
-
-
-def _init_process_group(environment, backend: str, timeout) -> None:
-    """Lightning's ``_init_dist_connection`` as ``pygraph_dist.init()`` does it.
-    No ``device_id`` (which binds the group to a device and eagerly connects a
-    backend that supports splitting; ``init()`` does not either)."""
-    existed = dist.is_initialized()
-    launch_env._import_dynamo_first()  # noqa: SLF001 - same reason as init(): see its docstring
-    _init_dist_connection(environment, backend, timeout=timeout)
-    if not existed and backend.startswith("cpu:gloo,cuda:pgd"):
-        try:  # as launch_env.init(): torch misses our plugin name when it picks the default type
-            dist.group.WORLD._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)  # noqa: SLF001
-        except (AttributeError, RuntimeError):
-            pass
 
 
 def _step_ignored_args(step: Callable) -> tuple[str, ...]:
@@ -240,7 +202,7 @@ class PGDStrategy(DDPStrategy):
                  checkpoint_io=None, precision_plugin=None, process_group_backend: str | None = None,
                  timeout=default_pg_timeout, start_method: str = "popen", clip_in_graph: bool = True,
                  **wrap_options: Any) -> None:
-        _check_wrap_options(wrap_options, {"amp": "Trainer(precision=...)",
+        check_wrap_options(wrap_options, {"amp": "Trainer(precision=...)",
                                            "max_grad_norm": "Trainer(gradient_clip_val=...)"})
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -260,13 +222,13 @@ class PGDStrategy(DDPStrategy):
 
     # ------------------------------------------------------------ process group
     def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or _default_backend(self.root_device)
+        return self._process_group_backend or default_backend(self.root_device)
 
     def setup_distributed(self) -> None:
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
-        _init_process_group(self.cluster_environment, self._process_group_backend, self._timeout)
+        init_process_group(self.cluster_environment, self._process_group_backend, self._timeout)
 
     # -------------------------------------------------------------------- setup
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -424,9 +386,6 @@ class PGDStrategy(DDPStrategy):
             strategy_registry.register(NAME, cls, description="pygraph_dist: DDP training as CUDA graphs")
 
 
-# Fabric's strategy lives beside this module (it uses the helpers above); importing
-# this module registers both names.
-from ._lightning_fabric import PGDFabricStrategy  # noqa: E402
-
+# Importing this module registers both names (Fabric's strategy: _lightning_fabric.py).
 PGDStrategy.register_strategies(StrategyRegistry)
 PGDFabricStrategy.register_strategies(FABRIC_REGISTRY)
