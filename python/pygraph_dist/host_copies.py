@@ -1,9 +1,10 @@
 """Host tensors made in forward, graphed: pageable host-to-device copies, and
 host reads of device values computed from them.
 
-This module: the model's watch, what the warm-ups recorded, and the engine's
-hooks; one observed, substituted or verified region is host_session.py's, and
-the values, lines and constant recipes it works with are host_values.py's.
+This module: the engine's hooks. The model's watch and what the warm-ups
+recorded are host_record.py's; one observed, substituted or verified region is
+host_session.py's; the values, lines and constant recipes they work with are
+host_values.py's (each module imports only those after it).
 
 A forward that builds a tensor on the host and copies it to the GPU every
 iteration -- ``nn.Transformer.generate_square_subsequent_mask(T).to(device)``,
@@ -64,11 +65,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-from dataclasses import dataclass, field
-from typing import Any
-
-import torch
 
 from .host_session import (  # noqa: F401 - HostTensorError and _session: part of this module's surface
     _FIX,
@@ -80,165 +76,13 @@ from .host_session import (  # noqa: F401 - HostTensorError and _session: part o
     _session,
     _Session,
 )
+from .host_record import CHECK_ENV, HostRecord, HostWatch  # noqa: F401 - CHECK_ENV: part of this module's surface
 from .host_values import difference, meta_of, same_value, staging_buffer, value_digest  # noqa: F401
 
 logger = logging.getLogger("pygraph_dist")
 
-CHECK_ENV = "PYGRAPH_DIST_CHECK_HOST_COPIES"
 # What torch says when a capture meets a pageable host<->device copy (Copy.cu).
 PAGEABLE_COPY_ERROR = "Cannot copy between CPU and CUDA tensors during CUDA graph capture"
-
-
-# =================================================================== the model's watch
-class HostWatch:
-    """One wrapped model's switch (``GraphRunner.host_watch``): off until a
-    capture meets a pageable host copy; then every warm-up is observed and every
-    capture substitutes. ``device_type``/``pin`` are settable for tests."""
-
-    def __init__(self, *, enabled: bool = False, device_type: str = "cuda", pin: bool = True) -> None:
-        self.enabled = enabled  # wiring: CUDA graphs possible, module not compiled
-        self.wanted = False
-        self.device_type = device_type
-        self.pin = pin
-        self.check_every = check_every_from_env()
-        self._retired: list = []  # (event, buffers) of released graphs, freed once the event passed
-
-    @property
-    def on(self) -> bool:
-        return self.enabled and self.wanted
-
-    def retire(self, buffers: list) -> None:
-        """Keep ``buffers`` (read by a graph just released) until the work queued
-        so far on the current stream is done: a replay may still be reading them,
-        and freed pinned memory is handed to the next ``pin_memory()``."""
-        self._purge()
-        if not buffers:
-            return
-        if self.device_type != "cuda" or not torch.cuda.is_available():
-            return
-        try:
-            event = torch.cuda.Event()
-            event.record()
-        except RuntimeError:  # CUDA going away (teardown): nothing runs any more
-            return
-        self._retired.append((event, buffers))
-
-    def _purge(self) -> None:
-        self._retired = [(e, b) for e, b in self._retired if e is not None and not e.query()]
-
-
-def check_every_from_env() -> int:
-    text = os.environ.get(CHECK_ENV, "").strip()
-    if not text:
-        return 0
-    try:
-        n = int(text)
-    except ValueError:
-        raise ValueError(f"{CHECK_ENV} must be a whole number of iterations, got {text!r}") from None
-    return max(0, n)
-
-
-# ====================================================================== records
-@dataclass
-class CopyRecord:
-    """The n-th host-to-device copy of one line, as the observed iterations made it."""
-
-    site: str  # file:line as reasons name it
-    meta: tuple  # dtype, shape, strides of the host source
-    target: tuple  # what the copy produces (dtype, device, ...)
-    values: torch.Tensor  # the host values (a copy)
-    buffer: torch.Tensor | None = None  # pinned, in the target dtype: what the graph copies from
-    varied: str = ""  # how the observed iterations disagreed ("" when they did not)
-
-
-@dataclass
-class ReadRecord:
-    """A host read of a constant device value, by its recipe."""
-
-    site: str
-    value: Any
-    varied: str = ""
-
-
-@dataclass
-class HostRecord:
-    """What the observed iterations of one signature copied and read (``GraphEntry.host_copies``)."""
-
-    watch: HostWatch
-    iterations: int = 0
-    copies: dict = field(default_factory=dict)  # (line key, n) -> CopyRecord
-    counts: dict = field(default_factory=dict)  # line key -> copies per iteration
-    count_varied: dict = field(default_factory=dict)  # line key -> text
-    sites: dict = field(default_factory=dict)  # line key -> site text
-    reads: dict = field(default_factory=dict)  # recipe -> ReadRecord
-    check_calls: int = 0  # replays counted by check_due()
-
-    @property
-    def checking(self) -> bool:
-        """Check mode is on for this signature (it has copies to check)."""
-        return self.watch.check_every > 0 and bool(self.copies)
-
-    def buffers(self) -> list:
-        return [c.buffer for c in self.copies.values() if c.buffer is not None]
-
-    def retire(self) -> None:
-        """The entry's graphs are released: its pinned buffers go (once no replay reads them)."""
-        self.watch.retire(self.buffers())
-        for c in self.copies.values():
-            c.buffer = None
-
-    def describe(self) -> str:
-        """For the "captured" event: what the graph replays from host buffers."""
-        if not self.copies and not self.reads:
-            return ""
-        parts = []
-        if self.copies:
-            lines = sorted({self.sites[k] for k, _ in self.copies})
-            nbytes = sum(c.buffer.numel() * c.buffer.element_size() for c in self.copies.values()
-                         if c.buffer is not None)
-            parts.append(f"{len(self.copies)} host-to-device cop{'y' if len(self.copies) == 1 else 'ies'} "
-                         f"replayed from pinned buffers ({nbytes} B) at {', '.join(lines[:3])}"
-                         + (f" +{len(lines) - 3}" if len(lines) > 3 else ""))
-        if self.reads:
-            lines = sorted({r.site for r in self.reads.values()})
-            parts.append(f"{len(self.reads)} host read{'s' if len(self.reads) > 1 else ''} of constant "
-                         f"device values answered at capture ({', '.join(lines[:3])})")
-        return "; ".join(parts)
-
-    # ------------------------------------------------------------- merging
-    def merge(self, session: "_Session") -> None:
-        """Fold one observed iteration in: what differs from the earlier ones is marked varied."""
-        first = self.iterations == 0
-        for key, count in session.counts.items():
-            self.sites.setdefault(key, session.sites[key])
-            if first:
-                self.counts[key] = count
-            elif self.counts.get(key, 0) != count and key not in self.count_varied:
-                self.count_varied[key] = (f"copied {self.counts.get(key, 0)} then {count} times in one "
-                                          "iteration")
-        if not first:
-            for key, count in self.counts.items():
-                if key not in session.counts and key not in self.count_varied:
-                    self.count_varied[key] = f"copied {count} then 0 times in one iteration"
-        for k, (meta, target, values) in session.copies.items():
-            old = self.copies.get(k)
-            if old is None:
-                self.copies[k] = CopyRecord(session.sites[k[0]], meta, target, values)
-                continue
-            if not old.varied:
-                old.varied = difference(old.meta, old.target, old.values, meta, target, values)
-                if old.varied:
-                    old.buffer = None
-        for recipe, (site, value) in session.reads.items():
-            old = self.reads.get(recipe)
-            if old is None:
-                self.reads[recipe] = ReadRecord(site, value)
-            elif not old.varied and not same_value(old.value, value):
-                old.varied = "the value differed between iterations (a non-deterministic op)"
-        self.iterations += 1
-        for c in self.copies.values():  # outside any capture: warm-ups are eager
-            if c.buffer is None and not c.varied:
-                c.buffer = staging_buffer(c.values, c.target, pin=self.watch.pin)
 
 
 # ============================================================= the engine's hooks
@@ -258,7 +102,8 @@ def _observing(watch: HostWatch, entry):
     session = _Session(record, OBSERVE)
     with _active(session):
         yield
-    record.merge(session)  # not after an iteration that raised: the user's error propagates
+    # Not after an iteration that raised: the user's error propagates.
+    record.merge(session.counts, session.sites, session.copies, session.reads)
 
 
 def substituting(watch: HostWatch | None, entry):
