@@ -11,27 +11,26 @@
     print(pgd.report())
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations`` here: it would bind the public name
+# ``annotations`` in the package (every annotation below evaluates at import).
+import contextlib as _contextlib
+import copy as _copy
+import logging as _logging
 
-import contextlib
-import copy
-import logging
+import torch as _torch  # loads libtorch before the extension
 
-import torch  # noqa: F401 - loads libtorch before the extension
-
-from ._ext import C as _C
-from . import clip_route
-from .accumulation import AccumulationReadError
+from ._ext import C as _C  # noqa: F401 - the extension, loaded (and its torch version checked) first
+from . import clip_route, compiled, config, lifetime, reporting
 from ._ext import graphs_available
+from .accumulation import AccumulationReadError
 from .backend import graph_safe_backend
-from .compiled import check_compiled_module, compile_kwargs
-from .config import WrapConfig, check_wrap_targets, make_config
 from .conformance import LoopConformanceError
-from .engine import Engine
-from .lifetime import live_engines, teardown_all
+from .engine import Engine as _Engine
 from .launch_env import LaunchEnvironment, LaunchError, detect, init
-from .reporting import Report, model_report, warn_stock_backend
+from .reporting import Report
 
+# The public names; everything else here is a submodule (pygraph_dist.reporting,
+# pygraph_dist.config, ...) or private (tests/python/test_options.py checks it).
 __all__ = [
     "AccumulationReadError",
     "GraphedModule",
@@ -49,10 +48,10 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-logging.getLogger("pygraph_dist").addHandler(logging.NullHandler())
+_logging.getLogger("pygraph_dist").addHandler(_logging.NullHandler())
 
 
-class GraphedModule(torch.nn.Module):
+class GraphedModule(_torch.nn.Module):
     """The wrapped model. Calling it in training runs one training iteration (or
     its forward, when the loop trains eagerly) and returns what the module
     returns — a loss, a tuple, a dict, a Hugging Face output.
@@ -62,7 +61,7 @@ class GraphedModule(torch.nn.Module):
     module; its ``state_dict`` keys carry the ``module.`` prefix, as with DDP.
     """
 
-    def __init__(self, module: torch.nn.Module, engine: Engine) -> None:
+    def __init__(self, module: _torch.nn.Module, engine: _Engine) -> None:
         super().__init__()
         self.module = module
         object.__setattr__(self, "_engine", engine)
@@ -73,7 +72,7 @@ class GraphedModule(torch.nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._engine.optimizer_zero_grad(set_to_none)
 
-    @contextlib.contextmanager
+    @_contextlib.contextmanager
     def no_sync(self):
         """As ``DistributedDataParallel.no_sync()``: backward passes of model calls
         made inside accumulate gradients locally, without all-reduce; the first
@@ -107,7 +106,7 @@ class GraphedModule(torch.nn.Module):
         return self._engine.cache.latest_static_inputs()
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> _Engine:
         return self._engine
 
     def __deepcopy__(self, memo):
@@ -119,20 +118,20 @@ class GraphedModule(torch.nn.Module):
         cannot be copied, and its graphs belong to the original). The copy's
         parameters and buffers are in the same order as the wrapper's, so
         ``update_parameters(model)`` pairs them up; wrap the copy to train it."""
-        logger = logging.getLogger("pygraph_dist")
+        logger = _logging.getLogger("pygraph_dist")
         if not getattr(GraphedModule, "_deepcopy_said", False):
             GraphedModule._deepcopy_said = True
             logger.info("copy.deepcopy of a pygraph_dist-wrapped model returns a copy of the plain "
                         "module (model.module), not a second wrapped model")
-        return copy.deepcopy(self.module, memo)
+        return _copy.deepcopy(self.module, memo)
 
 
 def wrap(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model: _torch.nn.Module,
+    optimizer: _torch.optim.Optimizer,
     *,
     loss_fn=None,
-    amp: str | torch.dtype | None = None,
+    amp: str | _torch.dtype | None = None,
     bucket_cap_mb: float = 25.0,
     warmup: int = 3,
     probe: int = 2,
@@ -150,122 +149,37 @@ def wrap(
     pad_batch_to: tuple[int, ...] | list[int] = (),
     pad_value=0,
     skip_nonfinite: bool = False,
-    grad_comm_dtype: torch.dtype | str | None = None,
+    grad_comm_dtype: _torch.dtype | str | None = None,
     compile: bool | dict = False,
     learn_accumulation: bool = True,
     ignore_args: tuple[str, ...] | list[str] = (),
     eval_graphs: bool = True,
     loss_graphs: bool = True,
-) -> tuple[GraphedModule, torch.optim.Optimizer]:
+) -> tuple[GraphedModule, _torch.optim.Optimizer]:
     """Wrap a model and its optimizer for graphed data-parallel training.
 
+    Every option is keyword-only; they are the fields of
+    ``pygraph_dist.config.WrapConfig``, which checks them.
+
     Args:
-        loss_fn: if given, the model is called as ``model(*inputs, target)`` and
-            returns ``loss_fn(module(*inputs), target)``; otherwise the module
-            itself must return the loss (or an object with ``.loss``).
-        amp: ``None`` (fp32), ``"bf16"`` or ``"fp16"`` (with a device-side GradScaler).
-        bucket_cap_mb: gradient bucket size for the all-reduce.
-        warmup: eager iterations on the capture stream before each capture.
-        probe: iterations that run the loop as written while it is checked.
-        graphs: ``False`` keeps the engine (reducer, AMP, checks) but never captures.
-        max_grad_norm: clip the global gradient norm inside the iteration.
-        max_graphs: input signatures that keep a graph at once (least
-            recently used out; an evicted one captures again when it returns).
-        graph_memory_mb: cap on the graphs' memory (``None``: no cap).
-        broadcast_buffers: rank 0's buffers at every forward, like DDP.
-        replay_timeout: seconds before a stuck replay ends the process (0 = off;
-            default: the process group's timeout).
-        process_group: the group whose ranks train this model (default: WORLD).
-        monitor: watch the user's code between the model call and
-            ``optimizer.step()``, so that a loop a graph cannot replay is
-            caught; ``False`` removes those checks.
-        eager_params: names of parameters (as in ``named_parameters()``) whose
-            gradient all-reduce runs outside the graph, in a bucket of its own;
-            the iteration is then captured as two graphs with that reduction
-            between them. Sparse embedding weights (``nn.Embedding(sparse=True)``)
-            are handled that way automatically, and their update runs eagerly.
-        select: time the eager warm-up and the first replays, and keep a
-            graph only if it is faster than eager by ``select_margin`` (maxima
-            over ranks, so every rank decides alike). ``select=False`` keeps
-            every graph that captures.
-        select_margin: the fraction a replay must beat eager by (0.02: 2%).
-        pad_batch_to: batch sizes to pad dim 0 of the inputs up to (e.g.
-            ``(32, 64)``), so that a short last batch reuses a graph. Off by
-            default: padded rows change the loss unless they are masked, e.g.
-            ``pad_value=(0, -100)`` fills targets with cross-entropy's
-            ``ignore_index``. A batch above the largest size is not padded.
-        pad_value: fill value, or one per positional argument.
-        skip_nonfinite: fp32/bf16: skip the optimizer update of a step whose
-            reduced gradients hold inf or NaN, decided on the device inside the
-            iteration (no host sync; every rank alike, gradients being
-            all-reduced) and counted in ``report()``. Uses the fused optimizer
-            kernel's ``found_inf`` input (Adam, AdamW, SGD).
-        grad_comm_dtype: ``torch.bfloat16`` all-reduces the fp32 gradient buckets
-            in bf16 (half the bytes), written back into the fp32 gradients, inside
-            the graph — what DDP's ``bf16_compress_hook`` does. Off by default: it
-            rounds every gradient to bf16's 8 bits of mantissa. No effect at world
-            size 1, where nothing is sent.
-        compile: ``True`` (or a dict of ``torch.compile`` arguments: mode,
-            options, dynamic, fullgraph, backend) runs the module's call through
-            ``torch.compile`` inside the graphs: inductor's fused kernels, and
-            pygraph_dist's capture instead of torch.compile's own CUDA graphs
-            (``mode="reduce-overhead"`` is switched to the default mode with a
-            warning). ``model.module`` and ``state_dict`` keys stay those of the
-            uncompiled module. Compile time and recompiles are in ``report()``.
-            A module already compiled by ``torch.compile`` in a mode without
-            CUDA graphs works too; one compiled with them is refused.
-        learn_accumulation: gradient accumulation without ``model.no_sync()``
-            (K model calls and backwards per ``optimizer.step()``): the first
-            step shows K, all ranks agree, and from then on only the K-th
-            micro-batch all-reduces — the sum, as ``no_sync()`` would. A step
-            that ends on another count, or gradients read before the last
-            micro-batch, are reduced eagerly first (reported); a loop that
-            reads gradients between micro-batches is not deferred.
-            ``False``: every micro-batch all-reduces, as DDP.
-        ignore_args: names of ``forward`` arguments (int or float) that the
-            forward does not read, such as Lightning's ``batch_idx``: calls
-            that differ only in them share a graph. Without this, each value
-            of a Python argument is a signature of its own, and an argument
-            that changes every call never reaches a graph (pygraph_dist warns
-            when one takes three values). While the loop is probed, the values
-            reach the forward as watched stand-ins; a forward that reads one
-            (arithmetic, comparison, printing, a torch call) keeps the loop
-            eager, with the line that read it in ``report()``.
-        eval_graphs: model calls with gradients disabled (``torch.no_grad()``,
-            ``torch.inference_mode()``; evaluation after ``model.eval()``)
-            replay a forward-only graph per input signature, after 2 eager
-            warm-up calls; outputs are fresh tensors, bitwise equal to the
-            eager forward. No collective decides anything, so evaluating on
-            some ranks only is fine. ``False``: such calls run the module
-            eagerly. Calls in eval mode with autograd on always run eagerly.
-        loss_graphs: in a tier-2 loop (the loss computed outside the model),
-            the loss the loop computes from the model's outputs is learned in
-            the last warm-up step and replayed inside the backward graph: the
-            loss is handed out pending and filled in by ``loss.backward()``.
-            A step that reads the loss before ``backward()`` gets it computed
-            eagerly and runs tier 2 as without this. Bitwise equal either way.
-            ``False``: the loss and its backward always run eagerly.
+{options}
 
     Returns ``(GraphedModule, optimizer)``; the optimizer is the same object,
     made capturable and routed through the engine.
     """
-    check_wrap_targets(model, optimizer)
-    check_compiled_module(model, compile)
-    config = make_config(
-        loss_fn=loss_fn, amp=amp, bucket_cap_mb=bucket_cap_mb, warmup=warmup, probe=probe,
-        graphs=graphs, max_grad_norm=max_grad_norm, max_graphs=max_graphs,
-        graph_memory_mb=graph_memory_mb, broadcast_buffers=broadcast_buffers,
-        replay_timeout=replay_timeout, monitor=monitor, eager_params=eager_params,
-        select=select, select_margin=select_margin, pad_batch_to=pad_batch_to, pad_value=pad_value,
-        skip_nonfinite=skip_nonfinite, grad_comm_dtype=grad_comm_dtype,
-        compile=compile_kwargs(compile), learn_accumulation=learn_accumulation,
-        ignore_args=ignore_args, eval_graphs=eval_graphs, loss_graphs=loss_graphs,
-    )
-    engine = Engine(model, optimizer, config, process_group)
-    warn_stock_backend(engine)
+    options = dict(locals())  # the arguments, before anything else is bound here
+    del options["model"], options["optimizer"]
+    config.check_wrap_targets(model, optimizer)
+    compiled.check_compiled_module(model, compile)
+    settings = config.WrapConfig(**options)
+    engine = _Engine(model, optimizer, settings, settings.process_group)
+    reporting.warn_stock_backend(engine)
     wrapper = GraphedModule(model, engine)
     clip_route.remember(wrapper)  # clip_grad_norm_(model.parameters()) without the generator's walk
     return wrapper, optimizer
+
+
+wrap.__doc__ = wrap.__doc__.replace("{options}", config.options_doc())  # WrapConfig's fields
 
 
 def report(print_report: bool = False, *, verbose: bool = False, as_dict: bool = False) -> Report | dict:
@@ -280,7 +194,7 @@ def report(print_report: bool = False, *, verbose: bool = False, as_dict: bool =
     keys documented there) for loggers; ``Report.scalars()`` gives per-model
     numbers for TensorBoard or Weights & Biases.
     """
-    r = Report([model_report(e) for e in live_engines()], verbose=verbose)  # creation order
+    r = Report([reporting.model_report(e) for e in lifetime.live_engines()], verbose=verbose)  # creation order
     if print_report:
         print(r)
     return r.as_dict() if as_dict else r
@@ -295,7 +209,7 @@ def shutdown() -> None:
 
     from . import lifetime
 
-    teardown_all()
+    lifetime.teardown_all()
     if dist.is_initialized():
         dist.destroy_process_group()
     lifetime.uninstall()

@@ -393,12 +393,12 @@ def test_bf16_gradient_allreduce_matches_ddp_bf16_compress_hook(ranks):
 
 
 def test_grad_comm_dtype_refuses_what_it_does_not_offer():
-    from pygraph_dist.config import make_config
+    from pygraph_dist.config import WrapConfig
 
     with pytest.raises(ValueError, match="torch.bfloat16"):
-        make_config(grad_comm_dtype=torch.float16)
-    assert make_config(grad_comm_dtype="bf16").grad_comm_dtype is torch.bfloat16
-    assert make_config(grad_comm_dtype=torch.float32).grad_comm_dtype is None
+        WrapConfig(grad_comm_dtype=torch.float16)
+    assert WrapConfig(grad_comm_dtype="bf16").grad_comm_dtype is torch.bfloat16
+    assert WrapConfig(grad_comm_dtype=torch.float32).grad_comm_dtype is None
 
 
 def bf16_comm_world_size_one(steps=6):

@@ -5,19 +5,16 @@ on this module; it imports only Lightning Fabric."""
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _init_dist_connection
 
-import pygraph_dist as pgd
-
 from .. import backend as _backend
 from .. import launch_env
+from ..config import OPTIONS
 
 NAME = "pgd"
-_WRAP_OPTIONS = frozenset(inspect.signature(pgd.wrap).parameters) - {"model", "optimizer", "process_group"}
+_WRAP_OPTIONS = frozenset(OPTIONS) - {"process_group"}  # the strategy's own group
 
 
 def check_wrap_options(options: dict, reserved: dict[str, str]) -> None:

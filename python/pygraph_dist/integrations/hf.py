@@ -51,7 +51,6 @@ per-step host read becomes the same rule on the device (``PGDTrainer.train``).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 
 import torch
@@ -59,7 +58,7 @@ import torch.distributed as dist
 
 import pygraph_dist as pgd
 from pygraph_dist import GraphedModule, clip_route, patches
-from pygraph_dist.config import sparse_param_names
+from pygraph_dist.config import OPTIONS, sparse_param_names
 
 from . import _hf_nan_filter
 
@@ -79,8 +78,7 @@ logger = logging.getLogger("pygraph_dist")
 __all__ = ["PGDAccelerator", "PGDTrainer", "split_wrap_options"]
 
 # Keyword arguments of pygraph_dist.wrap(): these go to wrap(), everything else to Accelerate/Trainer.
-WRAP_OPTIONS = frozenset(
-    name for name, p in inspect.signature(pgd.wrap).parameters.items() if p.kind is p.KEYWORD_ONLY)
+WRAP_OPTIONS = frozenset(OPTIONS)
 _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
 
 
