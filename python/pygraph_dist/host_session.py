@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._ext import NOT_CAPTURABLE_TAG
+from .host_record import HostRecord
 from .host_values import _Constants, call_site, difference, meta_of
 
-if TYPE_CHECKING:
-    from .host_copies import HostRecord
 
 _aten = torch.ops.aten
 _TO_COPY = _aten._to_copy.default
