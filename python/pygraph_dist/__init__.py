@@ -201,16 +201,18 @@ def report(print_report: bool = False, *, verbose: bool = False, as_dict: bool =
 
 
 def shutdown() -> None:
-    """Release every graph, then destroy the default process group, and take
-    back the process group shutdown hook that ``wrap()`` installed."""
+    """Release every graph, then destroy the default process group, and undo
+    what ``wrap()`` changed in torch (``patches.py``: the process group
+    shutdown hook, the ``clip_grad_norm_`` router, process-wide flags)."""
     import gc
 
     import torch.distributed as dist
 
-    from . import lifetime
+    from . import lifetime, patches
 
     lifetime.teardown_all()
     if dist.is_initialized():
         dist.destroy_process_group()
     lifetime.uninstall()
+    patches.undo_all()
     gc.collect()  # destroy what held the group now, not during interpreter exit

@@ -15,10 +15,10 @@ import threading
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import patches
 from ._ext import NOT_CAPTURABLE_TAG
 from .host_record import HostRecord
 from .host_values import _Constants, call_site, difference, meta_of
-
 
 _aten = torch.ops.aten
 _TO_COPY = _aten._to_copy.default
@@ -210,7 +210,7 @@ class _HostMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         s = self.session
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        if patches.is_higher_order_op(func):
             s.constants.forget_all()  # its body is not followed
             return func(*args, **kwargs)
         recipe = s.constants.recipe(func, args, kwargs)
@@ -294,21 +294,21 @@ def _patched_new_tensor(original):
 
 _patch_lock = threading.Lock()
 _patch_depth = 0
-_saved: list = []
+_swap: list = []  # the patches.Swap in place while sessions are active
 
 
 def _patch() -> None:
+    """The tensor factories patched while any session is active (patches.py,
+    entry ``host_tensor_factories``)."""
     global _patch_depth
     with _patch_lock:
         _patch_depth += 1
         if _patch_depth > 1:
             return
-        own = "new_tensor" in torch.Tensor.__dict__
-        _saved[:] = [(torch, "tensor", torch.tensor, True), (torch, "as_tensor", torch.as_tensor, True),
-                     (torch.Tensor, "new_tensor", torch.Tensor.new_tensor, own)]
-        torch.tensor = _patched_tensor(torch.tensor)
-        torch.as_tensor = _patched_as_tensor(torch.as_tensor)
-        torch.Tensor.new_tensor = _patched_new_tensor(torch.Tensor.new_tensor)
+        _swap[:] = [patches.Swap("host_tensor_factories", [
+            (torch, "tensor", _patched_tensor(torch.tensor)),
+            (torch, "as_tensor", _patched_as_tensor(torch.as_tensor)),
+            (torch.Tensor, "new_tensor", _patched_new_tensor(torch.Tensor.new_tensor))])]
 
 
 def _unpatch() -> None:
@@ -317,12 +317,9 @@ def _unpatch() -> None:
         _patch_depth -= 1
         if _patch_depth > 0:
             return
-        for owner, name, original, own in _saved:
-            if own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
-        _saved.clear()
+        for swap in _swap:
+            swap.undo()
+        _swap.clear()
 
 
 @contextlib.contextmanager

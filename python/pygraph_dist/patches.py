@@ -2,7 +2,7 @@
 torch's private state: :data:`REGISTRY` says what each changes, the torch or
 NCCL behaviour that forces it, the versions checked and its undo. No other
 module assigns torch's module or class attributes, swaps a ``__class__``,
-rebinds other modules' globals, sets warning filters, torch flags or environment
+rebinds other modules' globals, sets warning filters (outside ``catch_warnings``), torch flags or environment
 variables, or reads :data:`PRIVATE_NAMES` (``tests/python/test_patches.py``).
 Scopes: ``process`` (applied at ``wrap()`` or when first needed, undone newest
 first by :func:`undo_all` at ``pgd.shutdown()``), ``region`` (one block: a capture,
@@ -47,7 +47,7 @@ PRIVATE_NAMES = frozenset({
     "_push_on_torch_function_stack", "_len_torch_dispatch_stack", "_cuda_getCurrentStream", "_cuda_getDevice",
     "donated_buffer", "callback_handler", "_inductor", "_functorch", "HigherOrderOperator",
     "_per_optimizer_states", "_refresh_per_optimizer_state", "_step_supports_amp_scaling",
-    "set_sync_debug_mode", "simplefilter", "filterwarnings"})
+    "set_sync_debug_mode"})
 
 REGISTRY: dict[str, Patch] = {p.key: p for p in (
     Patch("clip_grad_norm_", "process",
