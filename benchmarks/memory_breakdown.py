@@ -193,6 +193,17 @@ def _bytes(tensors) -> int:
     return n
 
 
+def _held_bytes(tensors) -> int:
+    """Bytes of each distinct storage as it is now (0 once resized away)."""
+    seen, n = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if t.device.type == "cuda" and st.nbytes() and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            n += st.nbytes()
+    return n
+
+
 def _state_bytes(opt) -> int:
     return _bytes(v for s in opt.state.values() for v in s.values())
 
@@ -252,7 +263,12 @@ def run_mode(mode: str, w: Workload, batch: int, replays: int, time_steps: int) 
             if i >= 2 and phases <= {"replay", "eager"} and decided:
                 break
         r = engine.reducer
-        buffers["gradient buckets"] = _bytes(b for b in r.buffers if b is not None)
+        # Storage actually held: at world size 1 a tier-1 graph's gradients become
+        # the .grad tensors and the flat buckets are freed (grad_adoption.py).
+        buffers["gradient buckets"] = _held_bytes(b for b in r.buffers if b is not None)
+        bucket_ptrs = {b.untyped_storage().data_ptr() for b in r.buffers if b is not None}
+        buffers["gradients owned by the graph (adopted)"] = _bytes(
+            v for v in r.views if v is not None and v.untyped_storage().data_ptr() not in bucket_ptrs)
         buffers["bf16 comm buffers"] = _bytes(c for c in r.comm if c is not None)
         buffers["optimizer state"] = _state_bytes(opt)
         buffers["lr tensors"] = _bytes(t for t in engine.opt_plan.lr_tensors if t is not None)
