@@ -10,11 +10,14 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
+
+import rank_server
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK_MAIN = Path(__file__).with_name("rank_main.py")
@@ -176,10 +179,7 @@ def _run_ranks_once(case, tmp_path, *, world_size, timeout, kwargs, env, expect_
         if env:
             env_r.update(env)
         log = open(out_dir / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen(
-            [sys.executable, *command],
-            env=env_r, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
-        ), log))
+        procs.append((_start_rank(case, command, env_r, log, expect_success), log))
     deadline = time.monotonic() + timeout
     timed_out = False
     # A rank that died leaves its peers blocked in a collective: give them a grace
@@ -224,6 +224,76 @@ def _run_ranks_once(case, tmp_path, *, world_size, timeout, kwargs, env, expect_
         results.append(json.loads((out_dir / f"rank{r}.json").read_text()))
     shutil.rmtree(out_dir, ignore_errors=True)
     return results
+
+
+def _start_rank(case: str, command: list[str], env: dict, log, expect_success: bool):
+    """One rank: forked by a rank server (rank_server.py says why and when), else a new Python."""
+    if _use_rank_server(env, expect_success):
+        key = tuple(sorted((k, v) for k, v in env.items() if k not in _PER_RANK_ENV))
+        try:
+            server = _rank_server(key, env)
+            # rank_main.die_with_the_test: the rank dies with the server that forked it.
+            env = dict(env, PGD_TEST_RANKS_PARENT=str(server.proc.pid))
+            rank = server.spawn(case.split(":")[0], command[1:], env, str(ROOT), log.name)
+            _SERVER_STATS["ranks"] += 1
+            return rank
+        except rank_server.ServerGone as e:
+            _drop_rank_server(key)
+            log.write(f"[run_ranks] no rank server ({e}); this rank is a new Python\n")
+            log.flush()
+    _SERVER_STATS["fresh"] += 1
+    return subprocess.Popen([sys.executable, *command], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=str(ROOT))
+
+
+def _use_rank_server(env: dict, expect_success: bool) -> bool:
+    # CPU ranks only (CUDA_VISIBLE_DEVICES="" from cpu_children_unless_gpu_test): GPU
+    # ranks and their timings keep new processes; so do ranks expected to fail.
+    return (expect_success and env.get("CUDA_VISIBLE_DEVICES") == ""
+            and os.environ.get("PGD_TEST_FRESH_RANKS") != "1" and sys.platform.startswith("linux"))
+
+
+# Set in each forked rank, so not part of a server's key. Everything else is: a
+# server imports with its ranks' environment (RANK included: Lightning reads it at
+# import), so each rank of a test has a server of its own, which also gives the
+# ranks different hash seeds and address layouts, as separate Pythons have.
+_PER_RANK_ENV = {"MASTER_PORT", "PYTEST_CURRENT_TEST", "PGD_TEST_RANKS_PARENT"}
+_RANK_SERVERS: dict[tuple, "rank_server.RankServer"] = {}  # by environment, most recently used last
+_SERVER_STATS = {"servers": 0, "ranks": 0, "fresh": 0}
+MAX_RANK_SERVERS = 8  # each holds torch in memory (~0.5 GB); a ninth retires the least recently used
+
+
+def _rank_server(key: tuple, env: dict) -> "rank_server.RankServer":
+    server = _RANK_SERVERS.pop(key, None)
+    if server is None or server.dead:
+        while len(_RANK_SERVERS) >= MAX_RANK_SERVERS:
+            _RANK_SERVERS.pop(next(iter(_RANK_SERVERS))).close()
+        server_env = {k: v for k, v in env.items() if k not in _PER_RANK_ENV}
+        server_env["PGD_TEST_RANKS_PARENT"] = str(os.getpid())
+        fd, log = tempfile.mkstemp(prefix="pgd-rank-server-", suffix=".log")
+        os.close(fd)
+        server = rank_server.RankServer(server_env, Path(log))
+        _SERVER_STATS["servers"] += 1
+    _RANK_SERVERS[key] = server
+    return server
+
+
+def _drop_rank_server(key: tuple) -> None:
+    server = _RANK_SERVERS.pop(key, None)
+    if server is not None:
+        server.close()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    while _RANK_SERVERS:
+        _RANK_SERVERS.popitem()[1].close()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _SERVER_STATS["ranks"] or _SERVER_STATS["fresh"]:
+        terminalreporter.write_line(
+            f"run_ranks: {_SERVER_STATS['ranks']} ranks forked by {_SERVER_STATS['servers']} rank server(s), "
+            f"{_SERVER_STATS['fresh']} started as new Pythons (tests/python/rank_server.py)")
 
 
 def _fmt(logs: list[str]) -> str:

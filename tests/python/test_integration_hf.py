@@ -24,6 +24,8 @@ pytest.importorskip("accelerate")
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
+# What the rank bodies import: the rank server imports it once (tests/python/rank_server.py).
+RANK_PRELOAD = ("accelerate", "transformers.trainer", "accelerate_loop", "hf_trainer", "pygraph_dist.integrations.hf")
 
 CPU_TOLERANCE = 1e-5  # fp32 on the CPU: our reducer against DDP's, the same arithmetic up to rounding
 

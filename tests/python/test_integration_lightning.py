@@ -43,6 +43,8 @@ def ranks(tmp_path):
         return run_ranks(case, tmp_path, **kwargs)
     return run
 sys.path.insert(0, str(ROOT / "examples"))
+# What the rank bodies import: the rank server imports it once (tests/python/rank_server.py).
+RANK_PRELOAD = ("lightning", "lightning.pytorch", "lightning_gpt", "pygraph_dist.integrations.lightning")
 
 TINY = dict(vocab=32, seq=16, layers=2, width=32, heads=2, lr=3e-3, warmup=3)
 SMALL = dict(vocab=256, seq=64, layers=2, width=128, heads=2, lr=1e-3, warmup=3)
