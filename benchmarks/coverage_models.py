@@ -284,6 +284,9 @@ _hf("gpt2_medium", "GPT2LMHeadModel", "GPT2Config", clm_batch, named_only=True, 
     bos_token_id=1, eos_token_id=2)
 _hf("llama", "LlamaForCausalLM", "LlamaConfig", clm_batch, **DECODER)
 _hf("mistral", "MistralForCausalLM", "MistralConfig", clm_batch, **DECODER)
+# The same with eager attention: no graph-capture branch in transformers' mask (model_notes.py).
+_hf("mistral_eager_attn", "MistralForCausalLM", "MistralConfig", clm_batch, named_only=True,
+    attn_implementation="eager", **DECODER)
 _hf("qwen2", "Qwen2ForCausalLM", "Qwen2Config", clm_batch, **DECODER)
 _hf("qwen3", "Qwen3ForCausalLM", "Qwen3Config", clm_batch, head_dim=64, **DECODER)
 _hf("gemma", "GemmaForCausalLM", "GemmaConfig", clm_batch, head_dim=64, **DECODER)

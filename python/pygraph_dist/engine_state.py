@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .compiled import describe as describe_compile
+from .model_notes import capture_divergences
 from .monitor import storage_ptr
 from .optim import prepare_optimizer
 
@@ -67,6 +68,8 @@ class EngineState:
         stock = self.device.type == "cuda" and self.fp_backend is None and self.graphs_possible
         backend = "graph-safe (pgd_nccl, fingerprints on)" if self.fp_backend is not None else (
             "stock (collective fingerprints off)" if self.device.type == "cuda" else "cpu")
+        graphs = self.cache.describe(self.reducer.kinds)
+        graphs_replayed = any(g.replays for g in graphs if g.tier != "eval")
         return ModelReport(
             model=type(self.module).__name__, rank=self.rank, world_size=self.world_size,
             graphs_possible=self.graphs_possible, graphs_reason=self.graphs_reason, loop=loop,
@@ -75,7 +78,7 @@ class EngineState:
             optimizer=self.step.optimizer_class.__name__,
             optimizer_changes=list(self.opt_plan.changes), buckets=self.reducer.describe(),
             backend=backend, eager_buckets=self.reducer.describe_eager(),
-            graphs=self.cache.describe(self.reducer.kinds),
+            graphs=graphs,
             skipped_steps=int(self.step.skipped.item()) if self.step.skipped is not None else None,
             compile=describe_compile(self.config.compile, self.compile_stats, self.compile_user),
             events=[asdict(e) for e in self.cache.events],
@@ -83,6 +86,7 @@ class EngineState:
             tier1_needs=self.loop.split_reason if self.loop.probe_done else "",
             inner_autocast=self._inner_seen[0] if self._inner_seen else "",
             tier2_user_code=tier2,
+            numerics=capture_divergences(self.module) if graphs_replayed else [],
         )
 
     # ================================================================ teardown

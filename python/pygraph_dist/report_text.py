@@ -128,6 +128,8 @@ def _default(m, s: dict) -> list[str]:
         lines[-1] += f" (and {len(reasons) - room} more reasons for eager steps)"
     if s["tier2_user_code"]:
         lines.append(f"  tier 2 ran: {s['tier2_user_code']}")
+    for note in m.numerics:  # graphed steps are not bitwise to eager ones: never left unsaid
+        lines.append(f"  numerics: {brief(note, 160)}")
     if s["tier1_needs"]:
         more = f" (+{len(s['tier1_needs']) - 1} more)" if len(s["tier1_needs"]) > 1 else ""
         lines.append(f"  not tier 1 because: {brief(s['tier1_needs'][0])}{more}")
@@ -170,6 +172,8 @@ def _verbose(m, s: dict) -> list[str]:
     note = m.amp.partition(" ")[2].strip("()")  # "fp32 casts in graphs: Triton"
     lines.append(f"  precision: {s['precision']}" + (f"; {note}" if note else ""))
     lines.append(f"  backend: {m.backend}")
+    for note in m.numerics:
+        lines += _wrapped("numerics: ", note, "  ")
     if m.stock_backend:
         lines += _wrapped("", STOCK_BACKEND, "    ")
     if not m.graphs_possible:

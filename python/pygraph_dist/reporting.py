@@ -114,6 +114,9 @@ class ModelReport:
     tier1_needs: str = ""
     # Tier 2: where your own code's loss and clip ran (loss_lane.py, split_clip.py).
     tier2_user_code: str = ""
+    # What this model computes differently when captured (model_notes.py): graphed
+    # steps are close to eager ones, not bitwise. Said only once a graph replayed.
+    numerics: list[str] = field(default_factory=list)
     # Autocast entered inside the module's forward ("bf16", "fp16"; "" if none seen
     # by the probe), e.g. Accelerate's, which patches it into forward.
     inner_autocast: str = ""

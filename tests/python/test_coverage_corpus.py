@@ -155,11 +155,16 @@ def corpus_bitwise(model: str, steps: int = 16):
     reason, where = first_reason(rep)
     return {"bitwise": bool(torch.equal(g_params, e_params)), "max_diff": max_diff(g_params, e_params),
             "losses_equal": g_losses == e_losses, "tiers": s["tiers"], "replayed": s["replayed"],
-            "steps": s["steps"], "status": s["status"], "reason": reason, "where": where, "report": text}
+            "steps": s["steps"], "status": s["status"], "reason": reason, "where": where, "report": text,
+            "numerics": rep["numerics"]}
 
 
-GPU_SUBSET = ["tv_resnet18", "timm_resnet18", "hf_gpt2", "hf_bert", "hf_mistral", "nn_transformer_lm",
-              "lightning_demo"]
+GPU_SUBSET = ["tv_resnet18", "timm_resnet18", "hf_gpt2", "hf_bert", "hf_mistral", "hf_mistral_eager_attn",
+              "nn_transformer_lm", "lightning_demo"]
+# transformers builds the causal mask while a graph is captured and skips it eagerly
+# (model_notes.py); with grouped-query SDPA the kernels differ. Those models must say
+# so in the report and stay close; the same model with eager attention stays bitwise.
+NOT_BITWISE = {"hf_mistral": 1e-3}
 
 
 @pytest.mark.gpu
@@ -174,5 +179,10 @@ def test_corpus_model_is_graphed_and_bitwise_eager(ranks, model):
     why = f"{r['status']}; {r['reason']} [{r['where']}]\n{r['report']}"
     assert set(r["tiers"]) & {"1", "2"}, f"not graphed: {why}"
     assert r["replayed"] >= 2, why
+    if model in NOT_BITWISE:
+        assert r["numerics"] and "not bitwise" in r["report"], f"the difference is not said: {why}"
+        assert r["max_diff"] < NOT_BITWISE[model], f"graphed vs graphs=False: max |diff| {r['max_diff']}\n{why}"
+        return
+    assert not r["numerics"], why
     assert r["bitwise"], f"graphed vs graphs=False: max |diff| {r['max_diff']}\n{why}"
     assert r["losses_equal"], why

@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, set[str]]] = [
      {"config", "compiled", "amp", "param_groups", "optim", "monitor", "conformance", "arguments",
       "outputs", "accumulation"}),
     ("records: capture failures, the report, graph entries, host copies, the loss lane, the fast lane",
-     {"capture_guard", "pool_account", "report_reasons", "report_text", "reporting", "graph_cache",
+     {"capture_guard", "pool_account", "model_notes", "report_reasons", "report_text", "reporting", "graph_cache",
       "host_values", "host_record", "host_session", "host_copies", "loss_lane", "loss_match", "fast_lane"}),
     ("gradients: buckets, their collectives, the reducer, clipping",
      {"grad_adoption", "bucket_layout", "bucket_comm", "reducer", "clip_route"}),
