@@ -171,15 +171,20 @@ def wrap(
     del options["model"], options["optimizer"]
     config.check_wrap_targets(model, optimizer)
     compiled.check_compiled_module(model, compile)
+    # The engine gets the group on its own: teardown() drops every reference to
+    # it so that its C++ objects die with destroy_process_group(), not at
+    # interpreter exit, so the settings the engine keeps must not hold it.
+    group = options.pop("process_group")
     settings = config.WrapConfig(**options)
-    engine = _Engine(model, optimizer, settings, settings.process_group)
+    engine = _Engine(model, optimizer, settings, group)
     reporting.warn_stock_backend(engine)
     wrapper = GraphedModule(model, engine)
     clip_route.remember(wrapper)  # clip_grad_norm_(model.parameters()) without the generator's walk
     return wrapper, optimizer
 
 
-wrap.__doc__ = wrap.__doc__.replace("{options}", config.options_doc())  # WrapConfig's fields
+if wrap.__doc__:  # None under python -OO
+    wrap.__doc__ = wrap.__doc__.replace("{options}", config.options_doc())  # WrapConfig's fields
 
 
 def report(print_report: bool = False, *, verbose: bool = False, as_dict: bool = False) -> Report | dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import sys
 import threading
@@ -186,9 +187,12 @@ def undo(key: str) -> None:
 
 
 def undo_all() -> None:
-    """Undo every process-scope patch, newest first (``pgd.shutdown()``)."""
+    """Undo every process-scope patch, newest first; a failing one is logged (``pgd.shutdown()``)."""
     for key in reversed(applied()):
-        undo(key)
+        try:
+            undo(key)
+        except Exception as e:  # noqa: BLE001 - shutdown must finish
+            logging.getLogger(__name__).warning("pygraph_dist: could not undo patch %r: %r", key, e)
 
 
 # ----------------------------------------------- clip_grad_norm_ (process)
@@ -200,15 +204,13 @@ _rebound: list[tuple[dict, str, Any]] = []
 
 
 def own_package(name) -> bool:
-    name = str(name)
-    return any(name == p or name.startswith(p + ".") for p in _OWN)
+    return any(str(name) == p or str(name).startswith(p + ".") for p in _OWN)
 
 
 def route_clip_grad_norm(router: Callable) -> list[str]:
-    """``router`` in place of torch's ``clip_grad_norm_`` on torch's modules
-    (once), and in place of every name bound to torch's function in a loaded
-    module or in the globals of the frames that called this (every call).
-    Returns the names rebound now."""
+    """``router`` in place of torch's ``clip_grad_norm_`` on torch's modules (once), and of every
+    name bound to torch's function in a loaded module or in the callers' frame globals (every
+    call). Returns the names rebound now."""
     with _lock:
         if "clip_grad_norm_" not in _undo:
             swap = Swap("clip_grad_norm_", [(m, "clip_grad_norm_", router) for m in _CLIP_MODULES
@@ -377,8 +379,9 @@ def reset_grad_scaler_round(scaler) -> None:
 
 # --------------------------------------------------------------- reads
 def group_backend(group, device: torch.device):
-    """``group._get_backend(device)``: the c10d backend serving ``device``."""
-    if not hasattr(group, "_get_backend"):
+    """``group._get_backend(device)``: the c10d backend serving ``device`` (PrivateAPIMissing
+    only when torch lacks it; no group or not a group fails as the call does)."""
+    if not hasattr(dist.ProcessGroup, "_get_backend"):
         raise PrivateAPIMissing("ProcessGroup._get_backend")
     return group._get_backend(device)
 

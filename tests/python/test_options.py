@@ -107,3 +107,37 @@ def test_report_function_and_module_both_reachable():
     r = pgd.report()
     assert isinstance(r, pgd.Report) and isinstance(str(r), str)
     assert isinstance(pgd.report(as_dict=True)["models"], list)
+
+
+def test_the_settings_an_engine_keeps_do_not_hold_the_process_group(tmp_path):
+    """teardown() drops the engine's group so that its C++ objects die with
+    destroy_process_group(); the WrapConfig the engine keeps must not hold it."""
+    import gc
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29583")
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'rdv'}")
+    try:
+        group = dist.new_group([0])
+        model = torch.nn.Linear(4, 2)
+        wrapped, _ = pgd.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), process_group=group)
+        assert wrapped.engine.config.process_group is None
+        wrapped.engine.teardown()
+        gc.collect()
+        assert not [r for r in gc.get_referrers(group) if isinstance(r, WrapConfig)]
+    finally:
+        pgd.shutdown()  # destroys the default group too
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_the_package_imports_without_docstrings():
+    """python -OO strips docstrings: wrap() fills its Args section only when it has one."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-OO", "-c", "import pygraph_dist"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import pygraph_dist
 from pygraph_dist import clip_route, lifetime, optim, patches
 
 PACKAGE = Path(__file__).resolve().parents[2] / "python" / "pygraph_dist"
@@ -145,9 +146,32 @@ def test_swap_puts_back_what_the_owner_stored():
 def test_a_missing_private_attribute_says_so():
     with pytest.raises(patches.PrivateAPIMissing, match=r"has no torch\._C\._nope \(checked on torch 2\.11"):
         patches._private("_nope")()  # noqa: SLF001
-    with pytest.raises(patches.PrivateAPIMissing, match="ProcessGroup._get_backend"):
+    with pytest.raises(AttributeError):  # not a group: not "torch lacks the API"
         patches.group_backend(object(), torch.device("cpu"))
     assert patches.backend_timeout_s(object()) is None
+
+
+def test_torch_without_get_backend_says_so(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.delattr(dist.ProcessGroup, "_get_backend")
+    with pytest.raises(patches.PrivateAPIMissing, match="ProcessGroup._get_backend"):
+        patches.group_backend(object(), torch.device("cpu"))
+
+
+def test_graph_safe_backend_of_a_non_group_fails_as_before():
+    """Not a process group (or none yet): an error, not None ("a stock backend")."""
+    with pytest.raises(AttributeError):
+        pygraph_dist.graph_safe_backend(object())
+
+
+def test_undo_all_goes_on_past_a_failing_undo(caplog):
+    done = []
+    patches._undo["a"] = lambda: done.append("a")  # noqa: SLF001
+    patches._undo["b"] = lambda: 1 / 0  # noqa: SLF001
+    patches.undo_all()
+    assert done == ["a"] and patches.applied() == [], done
+    assert "could not undo patch 'b'" in caplog.text
 
 
 # ------------------------------------------------ the rule, read from the source
