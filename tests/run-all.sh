@@ -13,8 +13,11 @@
 set -euo pipefail
 export PGD_SETUP_TESTS=1  # setup also installs what the two-host tests use
 export PGD_HINT_AT_END=1  # setup's "source .venv/bin/activate" hint comes last
+START=$SECONDS
+took() { local s=$((SECONDS - ${1:-$START})); printf '%d min %02d s' $((s / 60)) $((s % 60)); }
 source "$(dirname "${BASH_SOURCE[0]}")/../launch/setup-env.sh"
 cd "$PGD_ROOT"
+times=("setup $(took)")
 # cmake/ctest/ninja: the Python packages' binaries, else the ones on PATH.
 if CMAKE="$("$PY" -c 'import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, "cmake"))' 2>/dev/null)"; then
   export PATH="$(dirname "$CMAKE"):$PATH"
@@ -23,22 +26,34 @@ if NINJA_DIR="$("$PY" -c 'import ninja, os; print(ninja.BIN_DIR)' 2>/dev/null)";
   export PATH="$NINJA_DIR:$PATH"
 fi
 
-if [ -f /usr/include/gtest/gtest.h ] || [ -f /usr/local/include/gtest/gtest.h ]; then
-  echo "== C++ core (GoogleTest)" >&2
-  cmake -S . -B build/core-tests -G Ninja -DPGD_BUILD_EXTENSION=OFF -DPGD_BUILD_TESTS=ON >/dev/null
-  cmake --build build/core-tests
-  ctest --test-dir build/core-tests --output-on-failure
-else
-  echo "== C++ core: NOT RUN (GoogleTest is not installed and setup could not install it: apt-get install libgtest-dev)" >&2
-fi
-
+# The CUDA compile check runs beside the other tests, at the lowest CPU priority:
+# most of it is fetching and unpacking a 550 MB wheel, and its compile then only
+# takes CPU time that GoogleTest and pytest leave idle (on the 2-core CI machine
+# it took 4 min of the command's time when it ran alone). Its output is shown,
+# and its failure fails the command, at the end.
+cuda_pid=""
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)"; then
   echo "== CUDA code paths: already compiled by the install above (torch is a CUDA build)" >&2
 elif [ "${PGD_SKIP_CUDA_COMPILE:-0}" = 1 ]; then
   echo "== CUDA code paths: NOT compiled (PGD_SKIP_CUDA_COMPILE=1)" >&2
 else
-  echo "== CUDA code paths (compile check against a CUDA build of torch)" >&2
-  ./launch/cuda-compile-check.sh
+  echo "== CUDA code paths (compile check against a CUDA build of torch): started beside the tests, its output at the end" >&2
+  mkdir -p build
+  cuda_log=build/cuda-compile-check.log
+  cuda_start=$SECONDS
+  nice -n 19 ./launch/cuda-compile-check.sh >"$cuda_log" 2>&1 &
+  cuda_pid=$!
+fi
+
+if [ -f /usr/include/gtest/gtest.h ] || [ -f /usr/local/include/gtest/gtest.h ]; then
+  echo "== C++ core (GoogleTest)" >&2
+  t=$SECONDS
+  cmake -S . -B build/core-tests -G Ninja -DPGD_BUILD_EXTENSION=OFF -DPGD_BUILD_TESTS=ON >/dev/null
+  cmake --build build/core-tests
+  ctest --test-dir build/core-tests --output-on-failure
+  times+=("GoogleTest $(took $t)")
+else
+  echo "== C++ core: NOT RUN (GoogleTest is not installed and setup could not install it: apt-get install libgtest-dev)" >&2
 fi
 
 if [ "${PGD_SKIP_TWO_HOST:-0}" = 1 ]; then
@@ -52,11 +67,27 @@ fi
 # GPU tests alone (tests/run_sharded.py says why). PGD_TEST_JOBS=1: one pytest.
 jobs="${PGD_TEST_JOBS:-$(( $(nproc) / 4 > 8 ? 8 : $(nproc) / 4 ))}"
 rc=0
+t=$SECONDS
 if [ "$#" -eq 0 ] && [ "$jobs" -gt 1 ]; then
   "$PY" tests/run_sharded.py --jobs "$jobs" || rc=$?
 else
   echo "== Python (pytest)" >&2
   "$PY" -m pytest tests/python -ra "$@" || rc=$?
 fi
+times+=("pytest $(took $t)")
+
+if [ -n "$cuda_pid" ]; then
+  echo "== CUDA code paths (compile check against a CUDA build of torch)" >&2
+  cuda_rc=0
+  wait "$cuda_pid" || cuda_rc=$?
+  cat "$cuda_log" >&2
+  times+=("CUDA compile check $(took "$cuda_start") beside the tests")
+  if [ $cuda_rc != 0 ]; then
+    echo "== CUDA code paths: the compile check FAILED (exit status $cuda_rc; its output above)" >&2
+    [ $rc != 0 ] || rc=$cuda_rc
+  fi
+fi
+summary=$(printf '%s, ' "${times[@]}")
+echo "== run-all.sh: $(took) in all (${summary%, })" >&2
 pgd_activate_hint
 exit $rc
