@@ -318,7 +318,8 @@ class RankServer:
         except Exception:  # noqa: BLE001
             self.proc.kill()
             self.proc.wait()
-        if self.proc.returncode == 0:  # kept otherwise: the failures that it caused name it
+        # Kept if it says something and the server did not end cleanly: the failures it caused name it.
+        if self.proc.returncode == 0 or not self.log.exists() or self.log.stat().st_size == 0:
             self.log.unlink(missing_ok=True)
 
 
