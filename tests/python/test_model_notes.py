@@ -83,27 +83,29 @@ def test_the_report_says_it_in_both_texts_and_the_dict(transformers_that_branche
     assert "numerics" not in plain.text() and "numerics" not in plain.text(verbose=True)
 
 
-def test_engine_says_it_only_after_a_graph_replayed(transformers_that_branches):
-    """On CPU nothing is captured, so nothing differs: no note."""
-    import os
-
-    import torch.distributed as dist
-
+def engine_numerics() -> dict:
+    """Rank body: a grouped-query "transformers" model wrapped and trained on CPU."""
     import pygraph_dist as pgd
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29581", RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        model = Decoder("sdpa", 4, 2)
-        wrapped, opt = pgd.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-        for _ in range(3):
-            wrapped(torch.ones(2, 4)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-        m = pgd.report().models[-1]
-        assert m.numerics == [] and m.graphs and not any(g.replays for g in m.graphs), m
-        wrapped.engine.teardown()
-    finally:
-        pgd.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    root = types.ModuleType("transformers")
+    root.__version__ = "5.17.0"
+    utils = types.ModuleType("transformers.utils.import_utils")
+    utils.is_cuda_stream_capturing = lambda: False
+    sys.modules.update({"transformers": root, "transformers.utils.import_utils": utils})
+    pgd.init()
+    model = Decoder("sdpa", 4, 2)
+    wrapped, opt = pgd.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for _ in range(3):
+        wrapped(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    m = pgd.report().models[-1]
+    return {"numerics": m.numerics, "signatures": len(m.graphs), "replays": sum(g.replays for g in m.graphs),
+            "note_for_the_model": capture_divergences(model)}
+
+
+def test_engine_says_it_only_after_a_graph_replayed(ranks):
+    """On CPU nothing is captured, so nothing differs: no note, though the model has one."""
+    (r,) = ranks("test_model_notes:engine_numerics", world_size=1)
+    assert r["note_for_the_model"] and r["signatures"] and r["replays"] == 0, r
+    assert r["numerics"] == [], r

@@ -109,28 +109,28 @@ def test_report_function_and_module_both_reachable():
     assert isinstance(pgd.report(as_dict=True)["models"], list)
 
 
-def test_the_settings_an_engine_keeps_do_not_hold_the_process_group(tmp_path):
-    """teardown() drops the engine's group so that its C++ objects die with
-    destroy_process_group(); the WrapConfig the engine keeps must not hold it."""
+def settings_and_group() -> dict:
+    """Rank body: wrap on a subgroup, tear down, look for who still holds the group."""
     import gc
-    import os
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29583")
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'rdv'}")
-    try:
-        group = dist.new_group([0])
-        model = torch.nn.Linear(4, 2)
-        wrapped, _ = pgd.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), process_group=group)
-        assert wrapped.engine.config.process_group is None
-        wrapped.engine.teardown()
-        gc.collect()
-        assert not [r for r in gc.get_referrers(group) if isinstance(r, WrapConfig)]
-    finally:
-        pgd.shutdown()  # destroys the default group too
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    pgd.init()
+    group = dist.new_group([0])
+    model = torch.nn.Linear(4, 2)
+    wrapped, _ = pgd.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), process_group=group)
+    kept = wrapped.engine.config.process_group
+    wrapped.engine.teardown()
+    gc.collect()
+    held = [type(r).__name__ for r in gc.get_referrers(group) if isinstance(r, WrapConfig)]
+    return {"kept_is_none": kept is None, "held_by": held}
+
+
+def test_the_settings_an_engine_keeps_do_not_hold_the_process_group(ranks):
+    """teardown() drops the engine's group so that its C++ objects die with
+    destroy_process_group(); the WrapConfig the engine keeps must not hold it."""
+    (r,) = ranks("test_options:settings_and_group", world_size=1)
+    assert r == {"kept_is_none": True, "held_by": []}, r
 
 
 def test_the_package_imports_without_docstrings():
