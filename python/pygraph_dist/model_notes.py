@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import sys
 
-GQA_SDPA = (
-    "{model} (transformers {version}): grouped-query attention ({heads} query heads, {kv} key/value heads) "
-    "through SDPA, and transformers builds the causal mask while a CUDA graph is captured but skips it "
-    "eagerly (masking_utils: is_tracing() is true during capture). Graphed steps run a masked SDPA on "
-    "repeated keys, eager steps SDPA(is_causal, enable_gqa): close, not bitwise equal to graphs=False. "
-    "For bitwise steps: attn_implementation=\"eager\" when loading the model (slower attention)."
+GQA_SDPA = (  # the outcome and the fix first: the default report shows the first 160 characters
+    "{model} (transformers {version}): graphed steps are not bitwise equal to graphs=False (close); "
+    "for bitwise ones load it with attn_implementation=\"eager\" (slower attention). Why: "
+    "grouped-query attention ({heads} query heads, {kv} key/value heads) through SDPA, and transformers "
+    "builds the causal mask while a CUDA graph is captured but skips it eagerly (masking_utils: "
+    "is_tracing() is true during capture), so graphed steps run a masked SDPA on repeated keys and eager "
+    "steps SDPA(is_causal, enable_gqa)."
 )
 
 
