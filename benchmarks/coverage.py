@@ -245,7 +245,7 @@ def run_mode(name: str, cls, entry: Entry, batches: list, ctx: dict, args) -> tu
     out["status"] = status
     try:
         mode.teardown()
-        pgd.lifetime.teardown_all()  # every live engine, also one a failed setup left behind
+        pgd.launch.lifetime.teardown_all()  # every live engine, also one a failed setup left behind
     except Exception:  # noqa: BLE001
         pass
     del mode  # its memory goes at the next mode's _memory_reset

@@ -140,7 +140,7 @@ def run_model(name: str, ctx: dict, args) -> dict:
             out["report"] = str(pgd.report())
         row[mname] = out
         mode.teardown()
-        pgd.lifetime.teardown_all()
+        pgd.launch.lifetime.teardown_all()
         del mode
     if args.ab_rounds:
         row["ab"] = side_by_side(entry, batches, ctx, args)
@@ -170,7 +170,7 @@ def side_by_side(entry, batches, ctx: dict, args) -> dict:
     report = str(pgd.report().models[-1]) if "pgd" in modes else ""
     for m in modes.values():
         m.teardown()
-    pgd.lifetime.teardown_all()
+    pgd.launch.lifetime.teardown_all()
     out = {"rounds": args.ab_rounds, "steps": args.steps, "ms_per_it": per,
            "ddp_median_ms": statistics.median(per["ddp"])}
     for m in modes:

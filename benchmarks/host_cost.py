@@ -74,7 +74,7 @@ a loop's time goes without a profiler (session 37: the model call is most of
 tier 1's, backward() most of tier 2's).
 
 Breakdown (pgd modes; a second process with PYGRAPH_DIST_HOST_SPANS=1, see
-python/pygraph_dist/spans.py): each phase's *exclusive* host time per step,
+python/pygraph_dist/runtime/spans.py): each phase's *exclusive* host time per step,
 in us, measured with perf_counter_ns spans around the engine's functions
 during the host pass; "outside spans" is the spans-on host time minus the
 phases (the user's loop itself, nn.Module.__call__, torch's ops and autograd).
@@ -761,7 +761,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {ALL_MODES}")
 
     if args.spans_child:
-        from pygraph_dist import spans
+        from pygraph_dist.runtime import spans
 
         if not spans.ENABLED:
             raise SystemExit("--spans-child needs PYGRAPH_DIST_HOST_SPANS=1 before pygraph_dist is imported")

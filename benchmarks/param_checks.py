@@ -34,8 +34,8 @@ from types import SimpleNamespace
 import torch
 
 import pygraph_dist as pgd
-from pygraph_dist.reducer import GradientReducer
-from pygraph_dist.split import SplitGraphs
+from pygraph_dist.reduce.reducer import GradientReducer
+from pygraph_dist.tiers.split import SplitGraphs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from host_cost import build_net  # noqa: E402

@@ -255,7 +255,7 @@ void bind_backend(py::module_& m) {
       .def_property_readonly("collectives_captured", &GraphSafeBackend::collectives_captured);
 
   // pygraph_dist's own collectives over a process group whose backend is not
-  // ours (csrc/python_free.h); python/pygraph_dist/collectives.py builds the
+  // ours (csrc/python_free.h); python/pygraph_dist/launch/collectives.py builds the
   // options as torch.distributed does and calls these. The GIL is released as
   // torch's ProcessGroup bindings release it; the argument casters, which hold
   // the caller's tensors, are destroyed with it held.

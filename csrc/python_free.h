@@ -137,7 +137,7 @@ class PythonFreeArgs {
 // backend, exactly as torch.distributed's Python functions reach it), issued
 // with the Python objects above hidden and, for CPU tensors, Python-free
 // aliases. The caller builds `opts` as torch.distributed does
-// (python/pygraph_dist/collectives.py) and waits on the Work when it asked
+// (python/pygraph_dist/launch/collectives.py) and waits on the Work when it asked
 // for a synchronous call. Call without the GIL (the bindings release it).
 c10::intrusive_ptr<c10d::Work> python_free_allreduce(
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,

@@ -64,7 +64,7 @@ napoleon_numpy_docstring = False
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|typing|collections|datetime|contextlib)(\..*)?"),
     (r"py:.*", r"'?(Mapping|Callable|Any|Engine|Report|ModelReport|GraphReport|optional)\b.*"),
-    (r"py:.*", r"pygraph_dist\.engine\.Engine"),
+    (r"py:.*", r"pygraph_dist\.engine\.(engine\.)?Engine"),  # engine/engine.py since the layers
     (r"py:.*", r"(int|float|str|bool|dict|list|tuple|None|object|RuntimeError)"),
 ]
 

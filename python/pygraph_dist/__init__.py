@@ -19,18 +19,23 @@ import logging as _logging
 
 import torch as _torch  # loads libtorch before the extension
 
-from ._ext import C as _C  # noqa: F401 - the extension, loaded (and its torch version checked) first
-from . import clip_route, compiled, config, lifetime, reporting
-from ._ext import graphs_available
-from .accumulation import AccumulationReadError
-from .backend import graph_safe_backend
-from .conformance import LoopConformanceError
-from .engine import Engine as _Engine
-from .launch_env import LaunchEnvironment, LaunchError, detect, init
-from .reporting import Report
+from .engine.engine import Engine as _Engine
+from .launch import lifetime as _lifetime
+from .launch.backend import graph_safe_backend
+from .launch.launch_env import LaunchEnvironment, LaunchError, detect, init
+from .loop import compiled as _compiled
+from .loop import config as _config
+from .loop.accumulation import AccumulationReadError
+from .loop.conformance import LoopConformanceError
+from .reports import reporting as _reporting
+from .reports.reporting import Report
+from .runtime._ext import C as _C  # noqa: F401 - the extension, loaded (and its torch version checked) first
+from .runtime._ext import graphs_available
+from .step import clip_route as _clip_route
 
-# The public names; everything else here is a submodule (pygraph_dist.reporting,
-# pygraph_dist.config, ...) or private (tests/python/test_options.py checks it).
+# The public names; everything else here is a subpackage (pygraph_dist.reports,
+# pygraph_dist.loop, ...; the layers: docs/design.md) or private
+# (tests/python/test_options.py checks it).
 __all__ = [
     "AccumulationReadError",
     "GraphedModule",
@@ -159,7 +164,7 @@ def wrap(
     """Wrap a model and its optimizer for graphed data-parallel training.
 
     Every option is keyword-only; they are the fields of
-    ``pygraph_dist.config.WrapConfig``, which checks them.
+    ``pygraph_dist.loop.config.WrapConfig``, which checks them.
 
     Args:
 {options}
@@ -169,22 +174,22 @@ def wrap(
     """
     options = dict(locals())  # the arguments, before anything else is bound here
     del options["model"], options["optimizer"]
-    config.check_wrap_targets(model, optimizer)
-    compiled.check_compiled_module(model, compile)
+    _config.check_wrap_targets(model, optimizer)
+    _compiled.check_compiled_module(model, compile)
     # The engine gets the group on its own: teardown() drops every reference to
     # it so that its C++ objects die with destroy_process_group(), not at
     # interpreter exit, so the settings the engine keeps must not hold it.
     group = options.pop("process_group")
-    settings = config.WrapConfig(**options)
+    settings = _config.WrapConfig(**options)
     engine = _Engine(model, optimizer, settings, group)
-    reporting.warn_stock_backend(engine)
+    _reporting.warn_stock_backend(engine)
     wrapper = GraphedModule(model, engine)
-    clip_route.remember(wrapper)  # clip_grad_norm_(model.parameters()) without the generator's walk
+    _clip_route.remember(wrapper)  # clip_grad_norm_(model.parameters()) without the generator's walk
     return wrapper, optimizer
 
 
 if wrap.__doc__:  # None under python -OO
-    wrap.__doc__ = wrap.__doc__.replace("{options}", config.options_doc())  # WrapConfig's fields
+    wrap.__doc__ = wrap.__doc__.replace("{options}", _config.options_doc())  # WrapConfig's fields
 
 
 def report(print_report: bool = False, *, verbose: bool = False, as_dict: bool = False) -> Report | dict:
@@ -199,7 +204,7 @@ def report(print_report: bool = False, *, verbose: bool = False, as_dict: bool =
     keys documented there) for loggers; ``Report.scalars()`` gives per-model
     numbers for TensorBoard or Weights & Biases.
     """
-    r = Report([reporting.model_report(e) for e in lifetime.live_engines()], verbose=verbose)  # creation order
+    r = Report([_reporting.model_report(e) for e in _lifetime.live_engines()], verbose=verbose)  # creation order
     if print_report:
         print(r)
     return r.as_dict() if as_dict else r
@@ -213,11 +218,11 @@ def shutdown() -> None:
 
     import torch.distributed as dist
 
-    from . import lifetime, patches
+    from .runtime import patches
 
-    lifetime.teardown_all()
+    _lifetime.teardown_all()
     if dist.is_initialized():
         dist.destroy_process_group()
-    lifetime.uninstall()
+    _lifetime.uninstall()
     patches.undo_all()
     gc.collect()  # destroy what held the group now, not during interpreter exit

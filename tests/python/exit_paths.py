@@ -211,7 +211,7 @@ def main() -> None:
     elif args.end == "module_destroy":
         dist.destroy_process_group()
     if args.end in ("imported_destroy", "reinit", "module_destroy"):
-        open_engines = [e for e in pgd.lifetime.live_engines() if not e.closed]
+        open_engines = [e for e in pgd.launch.lifetime.live_engines() if not e.closed]
         if open_engines:  # the destroy went past the hook: on a GPU it would have hung
             print(f"exit_paths: {len(open_engines)} engine(s) not released by destroy_process_group", flush=True)
             sys.exit(7)

@@ -35,7 +35,7 @@ The ways to end (``--modes`` picks a subset):
 torch._dynamo is imported (the optimizer imports it), so that
 ``destroy_process_group()`` leaves its Gloo threads running into interpreter
 exit. What must not abort there is pygraph_dist's own collectives (its Works
-hold no Python object, python/pygraph_dist/collectives.py); after_wait issues
+hold no Python object, python/pygraph_dist/launch/collectives.py); after_wait issues
 its all-reduce through them. ``--user-collectives`` makes after_wait call
 ``dist.all_reduce`` over the stock group instead: torch's own race, which
 pygraph_dist cannot reach (for comparison; expect aborts).
@@ -93,7 +93,7 @@ def rank_main(mode: str, steps: int, backend: str = "pgd", user_collectives: boo
         if backend == "pgd" or user_collectives:
             work = dist.all_reduce(x, async_op=True)  # through pgd_gloo, or torch's own race
         else:
-            from pygraph_dist import collectives
+            from pygraph_dist.launch import collectives
 
             work = collectives.all_reduce(x, async_op=True)
         work.wait()

@@ -78,7 +78,7 @@ def train(args) -> None:
         # Diagnostics: the Python-thread watchdog alongside the native one,
         # with a shorter timeout. If it fires first, Python could run; if the
         # native one fires, its stack dump shows where each thread was.
-        from pygraph_dist.watchdog import ReplayWatchdog
+        from pygraph_dist.launch.watchdog import ReplayWatchdog
 
         py_wd = ReplayWatchdog(args.python_watchdog, native=False, every=1)
         native_after = model.engine.watchdog.after_replay
@@ -125,7 +125,7 @@ def native_gil_held(args) -> None:
     """A pending host replay that never completes, while the main thread blocks
     with the GIL held: the native watchdog must still fire, report, dump the
     Python stacks and exit with code 70."""
-    from pygraph_dist._ext import C
+    from pygraph_dist.runtime._ext import C
 
     wd = C.ReplayWatchdog(args.replay_timeout, context="rank 0 of 1 (gil test)")
     wd.arm_host("[(64, 256) float32] at iteration 212", "all_reduce float32 x 68362")
@@ -138,7 +138,7 @@ def native_gil_held(args) -> None:
 def native_completes(args) -> None:
     """Host replays armed and completed for a while: the watchdog must not fire,
     and close() must return promptly."""
-    from pygraph_dist._ext import C
+    from pygraph_dist.runtime._ext import C
 
     wd = C.ReplayWatchdog(args.replay_timeout, poll_s=0.02)
     t_end = time.monotonic() + 3 * args.replay_timeout
@@ -160,7 +160,7 @@ def native_heartbeats(args) -> None:
     completes; rank 1 starts its watchdog, then does ``--fault``: kill (dies
     without a word), close (closes its watchdog), alive (keeps beating)."""
     rank = int(os.environ["RANK"])
-    from pygraph_dist._ext import C
+    from pygraph_dist.runtime._ext import C
 
     store = torch.distributed.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0,
                                        timeout=datetime.timedelta(seconds=30))
@@ -203,7 +203,7 @@ def mode_capture(args) -> None:
     hold that mode (in its captured thread-local state)? ``--backend`` picks
     the wrapped Gloo (``pgd``) or torch's stock one (``gloo``); ``--collectives``
     issues them through torch.distributed (``dist``) or through
-    pygraph_dist.collectives (``pgd``), as pygraph_dist issues its own."""
+    pygraph_dist.launch.collectives (``pgd``), as pygraph_dist issues its own."""
     import sys as _sys
 
     from torch.overrides import TorchFunctionMode
@@ -214,7 +214,7 @@ def mode_capture(args) -> None:
     import torch.distributed as dist
 
     if args.collectives == "pgd":
-        from pygraph_dist import collectives as coll
+        from pygraph_dist.launch import collectives as coll
 
         def all_reduce(t, async_op):
             return coll.all_reduce(t, async_op=async_op)

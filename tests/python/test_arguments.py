@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 import pygraph_dist as pgd
 from common import data, flat_params
-from pygraph_dist.arguments import IGNORED, IgnoredArgs
+from pygraph_dist.loop.arguments import IGNORED, IgnoredArgs
 
 
 class StepModule(nn.Module):

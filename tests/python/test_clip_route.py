@@ -10,7 +10,7 @@ import inspect
 import pytest
 import torch
 
-from pygraph_dist import clip_route
+from pygraph_dist.step import clip_route
 
 
 def _grads(seed: int):
@@ -75,7 +75,7 @@ def test_an_empty_generator_warns_as_torch_does():
 
 
 def test_only_torch_and_pygraph_dist_keep_their_names():
-    assert clip_route._own("torch") and clip_route._own("torch.nn.utils") and clip_route._own("pygraph_dist.step")
+    assert clip_route._own("torch") and clip_route._own("torch.nn.utils") and clip_route._own("pygraph_dist.step.step")
     assert not clip_route._own("torchvision") and not clip_route._own("torch_utils")
     assert not clip_route._own("torchmetrics.functional") and not clip_route._own("__main__")
 
@@ -261,7 +261,7 @@ def test_a_tier2_clip_never_captured_is_described_with_its_reasons():
     reasons found at the call: each reason with its count, the most frequent
     first, two at most; nothing for calls refused by the probe's checks alone
     (the probe's reason says why), and the graph's replays once one exists."""
-    from pygraph_dist.split_clip import SplitClip
+    from pygraph_dist.tiers.split_clip import SplitClip
 
     clip = SplitClip(engine=None)
     clip.off = False

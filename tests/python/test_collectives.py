@@ -1,4 +1,4 @@
-"""pygraph_dist.collectives does what torch.distributed does (issue 25).
+"""pygraph_dist.launch.collectives does what torch.distributed does (issue 25).
 
 pygraph_dist's own collectives are issued through ``pygraph_dist._C``
 (csrc/python_free.h) so that their Works hold no Python object; they must
@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 
 def same_as_torch(backend: str = "gloo", capture: int = 0) -> dict:
-    """Each collective through pygraph_dist.collectives and through
+    """Each collective through pygraph_dist.launch.collectives and through
     torch.distributed on the same inputs, over the script's own group."""
-    from pygraph_dist import collectives as coll
+    from pygraph_dist.launch import collectives as coll
 
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -60,7 +60,7 @@ def same_as_torch(backend: str = "gloo", capture: int = 0) -> dict:
     checks["all_gather_object"] = coll.all_gather_object(obj, device=dev) == theirs_obj
     if capture:
         # A stock NCCL all-reduce captured into a CUDA graph through
-        # pygraph_dist.collectives (what tier 2 does with the user's own group).
+        # pygraph_dist.launch.collectives (what tier 2 does with the user's own group).
         y = torch.full((1024,), float(rank + 1), device=dev)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())

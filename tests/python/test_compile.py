@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pygraph_dist as pgd
-from pygraph_dist.compiled import check_compiled_module, compile_kwargs
+from pygraph_dist.loop.compiled import check_compiled_module, compile_kwargs
 
 from common import MLP, data, device, flat_params, max_diff, ranks_agree
 
@@ -198,7 +198,7 @@ def test_process_wide_inductor_cudagraphs_is_switched_or_refused():
 
 
 def test_compiled_submodules_count_as_compiled():
-    from pygraph_dist.compiled import is_compiled
+    from pygraph_dist.loop.compiled import is_compiled
 
     net = Net()
     assert not is_compiled(net)
@@ -212,7 +212,7 @@ def test_compiled_submodules_count_as_compiled():
 
 
 def test_compile_timer_survives_dynamo_reset():
-    from pygraph_dist.compiled import TIMER
+    from pygraph_dist.loop.compiled import TIMER
 
     from torch._dynamo.callback import callback_handler
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 import pygraph_dist as pgd
-from pygraph_dist import agreement
-from pygraph_dist.reducer import GradientReducer
+from pygraph_dist.launch import agreement
+from pygraph_dist.reduce.reducer import GradientReducer
 
 from common import MLP, data, flat_params, max_diff, ranks_agree, train
 
@@ -393,7 +393,7 @@ def test_bf16_gradient_allreduce_matches_ddp_bf16_compress_hook(ranks):
 
 
 def test_grad_comm_dtype_refuses_what_it_does_not_offer():
-    from pygraph_dist.config import WrapConfig
+    from pygraph_dist.loop.config import WrapConfig
 
     with pytest.raises(ValueError, match="torch.bfloat16"):
         WrapConfig(grad_comm_dtype=torch.float16)
@@ -441,7 +441,7 @@ def test_side_streams_are_reused_never_shared(monkeypatch):
     model's stream is reused (cuBLAS keeps a workspace per stream for good), two
     live models never get the same one (newer torch frees a stream's workspace
     when any graph captured on it is destroyed). Fake streams: no GPU here."""
-    from pygraph_dist import step as step_mod
+    from pygraph_dist.step import step as step_mod
 
     class FakeStream:
         made = 0
@@ -471,7 +471,7 @@ def step_overlap(opt_name="adamw", steps=5):
     all-reduce, against the same body stepping once after every bucket: the
     parameters must be bitwise equal (per-parameter optimizers), and the split
     must have happened."""
-    from pygraph_dist import step as step_mod
+    from pygraph_dist.step import step as step_mod
 
     pgd.init()
     rank = dist.get_rank()
@@ -530,7 +530,7 @@ def test_step_overlap_only_where_the_split_is_the_same_step():
     step per parameter keep the single step after every bucket."""
     from types import SimpleNamespace
 
-    from pygraph_dist.step import IterationStep
+    from pygraph_dist.step.step import IterationStep
 
     def reason(**kw):
         opt = kw.pop("opt", None) or torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)

@@ -93,7 +93,7 @@ def test_link_check_sees_a_broken_link(tmp_path):
 
 def test_every_wrap_option_in_api_reference():
     import pygraph_dist
-    from pygraph_dist.config import WrapConfig
+    from pygraph_dist.loop.config import WrapConfig
 
     page = (DOCS / "api.md").read_text()
     options = [n for n in inspect.signature(pygraph_dist.wrap).parameters if n not in ("model", "optimizer")]

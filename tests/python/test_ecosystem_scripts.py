@@ -105,7 +105,7 @@ def run_script(script: str, args: list[str], out_dir: Path, *, world_size: int, 
         # objects while the interpreter finalizes, after destroy_process_group
         # (std::terminate in pt_gloo_runloop; seen in a fresh-clone CI run of the
         # ImageNet script's DDP control). pygraph_dist's own collectives hold
-        # none over any group (python/pygraph_dist/collectives.py, issue 25;
+        # none over any group (python/pygraph_dist/launch/collectives.py, issue 25;
         # tests/python/test_faults_exit_stress.py), so with pgd an abort fails.
         # Every result was written: what this test checks is complete, so the
         # control's abort is warned about, not hidden.

@@ -163,7 +163,7 @@ def test_destroy_and_reinit_stress_stock_backend(tmp_path):
 def test_hook_is_on_the_process_group_class_and_undone(tmp_path):
     """The hook sits on ``ProcessGroup.shutdown`` (what every destroy path calls)
     and ``uninstall()`` puts torch's method back."""
-    from pygraph_dist import lifetime
+    from pygraph_dist.launch import lifetime
 
     original = dist.ProcessGroup.shutdown
     stored = dist.ProcessGroup.__dict__.get("shutdown")
@@ -189,7 +189,7 @@ def test_a_group_still_shuts_down_after_the_hook_came_and_went():
     real group's destroy: torch's method must still bind ``self`` (the pybind11
     method put back as the bare builtin raised ``shutdown(): incompatible function
     arguments`` in CI on the second destroy)."""
-    from pygraph_dist import lifetime
+    from pygraph_dist.launch import lifetime
 
     was = lifetime._installed  # noqa: SLF001
     try:

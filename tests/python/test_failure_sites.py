@@ -26,12 +26,13 @@ import pytest
 import torch
 
 import pygraph_dist as pgd
-from pygraph_dist._ext import C
-from pygraph_dist.capture import GraphRunner
-from pygraph_dist.capture_guard import describe_capture_error, error_site, failure_where
-from pygraph_dist.graph_cache import GraphCache
-from pygraph_dist.monitor import _PKG_DIR, _TORCH_DIR
-from pygraph_dist.reporting import ModelReport, Report
+from pygraph_dist.runtime._ext import C
+from pygraph_dist.tiers.capture import GraphRunner
+from pygraph_dist.graphs.capture_guard import describe_capture_error, error_site
+from pygraph_dist.reports.report_reasons import failure_where
+from pygraph_dist.graphs.graph_cache import GraphCache
+from pygraph_dist.loop.monitor import _PKG_DIR, _TORCH_DIR
+from pygraph_dist.reports.reporting import ModelReport, Report
 
 PINNED = ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor "
           "is pinned")
@@ -190,7 +191,7 @@ def test_a_librarys_line_with_the_users(tmp_path):
 
 def test_torchvision_is_not_torch():
     """torch's directory is a prefix of torchvision's: only torch itself is passed over."""
-    from pygraph_dist.monitor import _internal, _passed_over
+    from pygraph_dist.loop.monitor import _internal, _passed_over
 
     assert _internal(os.path.join(_TORCH_DIR, "nn", "modules", "module.py"))
     assert not _internal(_TORCH_DIR + "vision" + os.sep + "models" + os.sep + "resnet.py")
@@ -280,7 +281,7 @@ def test_lightning_last_report_prints_the_text_report(ranks):
 def test_capture_into_does_not_warn_that_the_graph_is_empty():
     """A capture that records no kernel does not reach the user as torch's "The
     CUDA Graph is empty" warning; other warnings raised while capturing still do."""
-    from pygraph_dist.capture_guard import capture_into
+    from pygraph_dist.graphs.capture_guard import capture_into
 
     stream = torch.cuda.Stream()
     with warnings.catch_warnings(record=True) as seen:

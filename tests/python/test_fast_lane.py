@@ -20,11 +20,11 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 import pygraph_dist as pgd
-from pygraph_dist._ext import C
-from pygraph_dist.arguments import IGNORED
-from pygraph_dist.fast_lane import ClearGrads, build_guard
-from pygraph_dist.graph_cache import _leaf_key
-from pygraph_dist.param_groups import WatchedParamGroup, group_versions, same_versions
+from pygraph_dist.runtime._ext import C
+from pygraph_dist.loop.arguments import IGNORED
+from pygraph_dist.loop.fast_lane import ClearGrads, build_guard
+from pygraph_dist.graphs.graph_cache import _leaf_key
+from pygraph_dist.loop.param_groups import WatchedParamGroup, group_versions, same_versions
 
 from common import MLP, MLPLogits, data, device, flat_params
 
@@ -229,7 +229,7 @@ def test_clear_grads_sets_the_optimizers_gradients_to_none():
 
 
 def test_same_group_params_compares_by_identity_like_its_python_spelling():
-    from pygraph_dist.fast_lane import _same_group_params
+    from pygraph_dist.loop.fast_lane import _same_group_params
 
     if not hasattr(C, "same_group_params"):
         pytest.skip("extension built without same_group_params")
@@ -288,7 +288,7 @@ def gpu_steady_state(loop="inside", steps=30, lr_every_step=False):
     rank = dist.get_rank()
     dev = device()
     F = torch.nn.functional
-    from pygraph_dist.graph_cache import GraphCache
+    from pygraph_dist.graphs.graph_cache import GraphCache
 
     lookups, owned = [], []
     original = GraphCache.lookup

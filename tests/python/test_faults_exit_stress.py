@@ -57,7 +57,7 @@ def test_exits_never_abort_over_the_scripts_own_gloo_group():
 def _two_ranks(case: str, out: Path, backend: str = "pgd", collectives: str = "dist") -> list[dict]:
     """Run a faults_workers.py case as 2 Gloo ranks (``backend``: pygraph_dist's
     wrapped Gloo, or torch's stock ``gloo``; ``collectives``: issued through
-    torch.distributed or pygraph_dist.collectives); each rank's JSON result."""
+    torch.distributed or pygraph_dist.launch.collectives); each rank's JSON result."""
     out.mkdir(parents=True, exist_ok=True)
     worker = Path(__file__).with_name("faults_workers.py")
     port = str(free_port())
@@ -104,7 +104,7 @@ def test_stock_gloo_works_hold_the_callers_tensors(tmp_path):
 
 def test_pygraph_dist_collectives_over_stock_gloo_hold_no_python_objects(tmp_path):
     """Issue 25: over the user's own (stock) Gloo group, pygraph_dist's own
-    collectives (python/pygraph_dist/collectives.py, what the reducer, the
+    collectives (python/pygraph_dist/launch/collectives.py, what the reducer, the
     buffer broadcasts and the agreement use) leave their Works no Python
     object: not torch's thread-local ones (backward's stashed context, a
     TorchFunctionMode such as the loop monitor) and not the caller's tensors.

@@ -39,15 +39,15 @@ def _finish(p: subprocess.Popen, timeout: float) -> tuple[int, str]:
 
 
 def test_exit_code_is_documented():
-    from pygraph_dist._ext import C
-    from pygraph_dist.watchdog import EXIT_CODE
+    from pygraph_dist.runtime._ext import C
+    from pygraph_dist.launch.watchdog import EXIT_CODE
 
     assert EXIT_CODE == C.WATCHDOG_EXIT_CODE == 70
 
 
 def test_python_stack_dumper_is_available():
     # CPython 3.11 and 3.12 export it; without it the report says so instead.
-    from pygraph_dist._ext import C
+    from pygraph_dist.runtime._ext import C
 
     if sys.version_info[:2] in ((3, 11), (3, 12)):
         assert C.ReplayWatchdog.python_stacks_available()
@@ -101,7 +101,7 @@ def test_heartbeats_say_which_ranks_were_last_seen_alive(tmp_path, fault, needle
 
 
 def test_python_wrapper_disabled_and_lazy():
-    from pygraph_dist.watchdog import ReplayWatchdog
+    from pygraph_dist.launch.watchdog import ReplayWatchdog
 
     off = ReplayWatchdog(0)
     assert not off.enabled
@@ -116,7 +116,7 @@ def test_python_wrapper_disabled_and_lazy():
 
 def test_std_terminate_names_the_thread():
     # Issue 13, item 4: an abort at exit must say which thread and where.
-    code = ("import torch\nfrom pygraph_dist._ext import C\nC._terminate_for_test('pt_gloo_runloop')\n")
+    code = ("import torch\nfrom pygraph_dist.runtime._ext import C\nC._terminate_for_test('pt_gloo_runloop')\n")
     e = child_env(PYTHONFAULTHANDLER="0")
     p = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60)
     assert p.returncode in (-6, 134), p.stderr

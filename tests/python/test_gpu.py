@@ -498,7 +498,7 @@ def test_bf16_cast_kernels_are_bitwise_the_torch_casts():
     unaligned and tail-length tensors."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from pygraph_dist import kernels
+    from pygraph_dist.runtime import kernels
 
     try:
         import triton  # noqa: F401
@@ -539,7 +539,7 @@ def gpu_fast_casts(steps=20):
     """One rank, amp="bf16" and "fp16", with the widening casts recorded (on
     by default): graphed training bitwise equal to graphs=False, which runs
     torch's own casts."""
-    from pygraph_dist import kernels
+    from pygraph_dist.runtime import kernels
 
     pgd.init()
     dev = device()

@@ -78,7 +78,7 @@ def bucket_copies_per_backward(steps=3, cap=0.003, small=None, cat_min=0):
     cat per span of adjacent waiting slots, else one foreach copy per bucket
     (bucket_comm.BucketCopies), no per-parameter copy; at world size 1 the
     gradients still equal a model's without the wrapper."""
-    from pygraph_dist.bucket_comm import BucketCopies
+    from pygraph_dist.reduce.bucket_comm import BucketCopies
 
     Count = count_ops()
 
@@ -179,7 +179,7 @@ def test_copy_plan_spans_adjacent_contiguous_slots():
     bucket, in slot order whatever the arrival order; a slot after padding, a
     strided one and a slot alone go to the foreach copy. Copying by the plan
     writes exactly what per-slot copies write, padding untouched."""
-    from pygraph_dist.bucket_comm import copy_plan
+    from pygraph_dist.reduce.bucket_comm import copy_plan
 
     buf = torch.full((200,), -7.0)
     # Slots: a [0,16) b [16,48) c [48,58) pad d [64,80) e [80,96) as a 4x4 transposed, f [128,130) alone
@@ -287,7 +287,7 @@ def test_bucket_slots_are_aligned_and_padding_is_zero(monkeypatch, align):
     bias first no longer shifts the weight after it off a 16-byte boundary), the
     bf16 send buffer's padding zero like the bucket's;
     PYGRAPH_DIST_BUCKET_ALIGN=1 packs as DDP does; 0 is refused."""
-    from pygraph_dist.bucket_layout import plan_layout
+    from pygraph_dist.reduce.bucket_layout import plan_layout
 
     if align:
         monkeypatch.setenv("PYGRAPH_DIST_BUCKET_ALIGN", align)
@@ -322,7 +322,7 @@ def adopted_gradients(steps=6, adopt_at=2, unused_at=-1, restore_at=4):
     views instead and nothing moves. Before step ``restore_at`` the views go
     back to their bucket slots (no graph live), values kept. Parameters must
     equal a run without adoption, bitwise."""
-    from pygraph_dist.monitor import storage_ptr
+    from pygraph_dist.loop.monitor import storage_ptr
 
     pgd.init()
     rank = dist.get_rank()
@@ -427,7 +427,7 @@ def test_adoption_is_off_with_a_bucket_outside_the_graph(ranks):
 
 
 def test_adoption_is_off_above_world_size_1_and_by_env(monkeypatch):
-    from pygraph_dist.grad_adoption import GradAdoption
+    from pygraph_dist.reduce.grad_adoption import GradAdoption
 
     assert GradAdoption(1, True).enabled
     assert not GradAdoption(2, True).enabled
@@ -439,7 +439,7 @@ def test_adoption_is_off_above_world_size_1_and_by_env(monkeypatch):
 def test_copy_plan_never_spans_two_storages():
     """After adoption the views are separate tensors: two whose offsets happen
     to follow each other in different storages must not become one cat."""
-    from pygraph_dist.bucket_comm import copy_plan
+    from pygraph_dist.reduce.bucket_comm import copy_plan
 
     a = torch.zeros(16)
     b = torch.zeros(32)[16:]  # offset 16 = a's offset + a's numel, another storage
@@ -541,7 +541,7 @@ def test_a_strided_gradient_leaves_only_itself_out_of_the_cat(monkeypatch):
     weight's, say) goes to the foreach copy alone; its neighbours' span is
     still one cat. Before, it sent the whole bucket to the foreach copy. The
     bucket ends up with exactly the gradients' values, padding untouched."""
-    from pygraph_dist.bucket_comm import BucketCopies
+    from pygraph_dist.reduce.bucket_comm import BucketCopies
 
     Count = count_ops()
     monkeypatch.delenv("PYGRAPH_DIST_BUCKET_CAT", raising=False)
@@ -568,7 +568,7 @@ def all_reduces_per_step(steps=3):
     PYGRAPH_DIST_SOLO_ALLREDUCE=1, and the parameters either way."""
     import os
 
-    from pygraph_dist import collectives
+    from pygraph_dist.launch import collectives
 
     pgd.init()
     rank = dist.get_rank()

@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from pygraph_dist import host_copies as hc
-from pygraph_dist._ext import NOT_CAPTURABLE_TAG
-from pygraph_dist.capture_guard import describe_capture_error
+from pygraph_dist.graphs import host_copies as hc
+from pygraph_dist.runtime._ext import NOT_CAPTURABLE_TAG
+from pygraph_dist.graphs.capture_guard import describe_capture_error
 
 HERE = os.path.basename(__file__)
 
@@ -285,8 +285,8 @@ def test_copies_are_seen_through_pygraph_dists_own_modes():
     torch-function mode) sit between the forward and this module's mode; their
     handlers are pygraph_dist's frames, yet the copy is the model's. (On a GPU
     the copy went unseen there and every capture of the word LM failed.)"""
-    from pygraph_dist import kernels
-    from pygraph_dist.capture_guard import _GeneratorGuard
+    from pygraph_dist.runtime import kernels
+    from pygraph_dist.graphs.capture_guard import _GeneratorGuard
 
     w, e = watch(), Entry()
     with _GeneratorGuard():  # the loop monitor's place at warm-up: a torch-function mode

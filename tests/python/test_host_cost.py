@@ -12,9 +12,9 @@ from conftest import ROOT, child_env
 
 SPANS_OFF_AND_ON = r"""
 import json, sys, time
-from pygraph_dist import spans
-from pygraph_dist.engine import Engine
-from pygraph_dist.graph_cache import GraphCache
+from pygraph_dist.runtime import spans
+from pygraph_dist.engine.engine import Engine
+from pygraph_dist.graphs.graph_cache import GraphCache
 
 @spans.timed("outer")
 def outer():

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import pygraph_dist as pgd
-from pygraph_dist.param_groups import WatchedParamGroup, adopt_assigned_lrs, write_lr
+from pygraph_dist.loop.param_groups import WatchedParamGroup, adopt_assigned_lrs, write_lr
 
 from common import MLP, MLPLogits, data, device, flat_params
 

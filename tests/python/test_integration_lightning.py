@@ -524,7 +524,7 @@ def test_logged_values_reissued_after_replay(monkeypatch):
 def test_ignore_args_read_from_training_step():
     """The strategy's model call runs training_step(batch, batch_idx), not forward(idx):
     ignore_args positions come from training_step, and a wrong name names it."""
-    from pygraph_dist.arguments import IGNORED, IgnoredArgs
+    from pygraph_dist.loop.arguments import IGNORED, IgnoredArgs
     from pygraph_dist.integrations.lightning import _step_ignored_args
 
     import lightning_gpt as ex

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import NO_MULTICAST, ROOT, child_env
-from pygraph_dist.launch import build_command, parse
+from pygraph_dist.launch.cli import build_command, parse
 
 
 def _cmd(argv):
@@ -187,7 +187,7 @@ def test_open_mpi_agent_only_where_nothing_else_is_configured(tmp_path, monkeypa
     """pygraph-launch names `false` as Open MPI's launch agent only with no
     ssh/rsh on PATH and no agent or hostfile chosen (environment or the user's
     MCA parameter file): a configured multi-host setup is never overridden."""
-    from pygraph_dist.launch import open_mpi_needs_agent
+    from pygraph_dist.launch.cli import open_mpi_needs_agent
 
     empty_bin = tmp_path / "bin"
     empty_bin.mkdir()

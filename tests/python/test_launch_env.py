@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import pygraph_dist as pgd
 from conftest import RANK_MAIN, ROOT, child_env, free_port, run_ranks
-from pygraph_dist.launch_env import LaunchError, detect, first_slurm_host
+from pygraph_dist.launch.launch_env import LaunchError, detect, first_slurm_host
 
 
 def test_torchrun_environment():
@@ -210,7 +210,7 @@ def test_mpirun_two_ranks(tmp_path, monkeypatch, remote_shell):
         pytest.skip(f"needs Open MPI's mpirun (mpi4py loads {lib!r}); {mpirun} is {_mpirun_flavour(mpirun)!r}")
     import json
 
-    from pygraph_dist.launch import build_command, open_mpi_needs_agent, parse
+    from pygraph_dist.launch.cli import build_command, open_mpi_needs_agent, parse
 
     env = child_env(PYTHONPATH=str(ROOT / "tests" / "python"))
     if remote_shell == "no ssh or rsh":

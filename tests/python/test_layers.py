@@ -9,7 +9,7 @@ lower module both can import, an argument passed down, a narrow interface
 such as ``evaluation.EvalEngine``), never by hiding the import.
 
 Modules are named by their path in the package without ``.py``
-(``reducer``, ``integrations/hf``, ``__init__`` for the package itself). The
+(``reduce/reducer``, ``integrations/hf``, ``__init__`` for the package itself). The
 implicit import of a parent package that every submodule import performs is
 not an edge (every module would otherwise import ``__init__``); an explicit
 ``import pygraph_dist`` or ``from pygraph_dist import wrap`` is. It reads the
@@ -25,32 +25,31 @@ PACKAGE_NAME = "pygraph_dist"
 PACKAGE = Path(__file__).resolve().parents[2] / "python" / PACKAGE_NAME
 NATIVE = {"_C"}  # built from csrc/ (pygraph_dist._C): imported, but no source to read
 
-# The declared layers, lowest first: a module may import modules of its own
-# layer and of the layers before it, never of a later one. Each layer is one
-# concern; when modules move into subpackages, rename them here (the names are
-# paths), and a layer that becomes a subpackage can be written as its folder's
-# modules. Every module of the package is in exactly one layer (checked).
-LAYERS: list[tuple[str, set[str]]] = [
-    ("runtime: the native extension, every change to torch, host spans, fused kernels",
-     {"_ext", "patches", "spans", "kernels"}),
-    ("processes: launch environments, backends, collectives, agreement, lifetimes, the watchdog",
-     {"launch", "backend", "launch_env", "collectives", "agreement", "lifetime", "watchdog"}),
-    ("the loop and its options: wrap()'s configuration, AMP, the optimizer, the loop's watch and rules",
-     {"config", "compiled", "amp", "param_groups", "optim", "monitor", "conformance", "arguments",
-      "outputs", "accumulation"}),
-    ("records: capture failures, the report, graph entries, host copies, the loss lane, the fast lane",
-     {"capture_guard", "pool_account", "model_notes", "report_reasons", "report_text", "reporting", "graph_cache",
-      "host_values", "host_record", "host_session", "host_copies", "loss_lane", "loss_match", "fast_lane"}),
-    ("gradients: buckets, their collectives, the reducer, clipping",
-     {"grad_adoption", "bucket_layout", "bucket_comm", "reducer", "clip_route"}),
-    ("the iteration and its graphs: tier 1, tier 2, evaluation",
-     {"step", "capture", "split_lane", "split", "split_clip", "split_calls", "evaluation"}),
-    ("the engine", {"engine_state", "probe", "wiring", "engine"}),
-    ("the API: wrap(), GraphedModule, report()", {"__init__"}),
-    ("integrations: Hugging Face, Lightning",
-     {"integrations/__init__", "integrations/hf", "integrations/_hf_nan_filter", "integrations/_lightning_shared",
-      "integrations/_lightning_fabric", "integrations/_lightning_logs", "integrations/lightning"}),
+# The declared layers, lowest first: one subpackage each (plus the package's own
+# ``__init__``, the API). A module may import modules of its own subpackage and of
+# the layers before it, never of a later one. Each subpackage's docstring says
+# what it owns and ends with ``May import:`` naming exactly the layers before it
+# (checked below), so the tree and this list say the same. Every module of the
+# package is in a layer (checked).
+LAYERS: list[tuple[str, str]] = [
+    ("runtime", "the native extension, every change to code we do not own, host spans, fused kernels"),
+    ("launch", "launch environments, the launcher, the backend, collectives, agreement, lifetimes, the watchdog"),
+    ("reports", "report()'s records and text, reasons and their fixes, notes on model classes"),
+    ("loop", "wrap()'s options and the user's loop as read: AMP, param groups, monitor, conformance, "
+             "arguments, outputs, accumulation, the loss"),
+    ("graphs", "what any graph is made with: the capture guard, the graph cache, pools, host copies"),
+    ("reduce", "gradients across ranks: buckets, their collectives, the reducer, adopted gradients"),
+    ("step", "the optimizer made graph-aware, clipping, the iteration tier 1 captures"),
+    ("tiers", "tier 1's capture, tier 2's split step, evaluation graphs"),
+    ("engine", "the engine that composes them for one wrapped model"),
+    ("__init__", "the API: wrap(), GraphedModule, report(), init(), shutdown()"),
+    ("integrations", "Hugging Face and Lightning"),
 ]
+
+
+def layer_name(module: str) -> str:
+    """``loop/monitor`` -> ``loop``; ``__init__`` -> ``__init__``; ``loop/__init__`` -> ``loop``."""
+    return module.split("/")[0]
 
 
 # ------------------------------------------------------------------ the graph
@@ -169,18 +168,19 @@ def describe_cycle(cycle: list[str], graph: dict[str, dict[str, list[int]]]) -> 
     return text
 
 
-def layer_of() -> dict[str, int]:
-    return {m: i for i, (_, modules) in enumerate(LAYERS) for m in modules}
+def layer_of(modules) -> dict[str, int]:
+    index = {name: i for i, (name, _) in enumerate(LAYERS)}
+    return {m: index[layer_name(m)] for m in modules if layer_name(m) in index}
 
 
 # ------------------------------------------------------------------ the checks
 def test_graph_is_read():
     graph = import_graph()
     # The scan must see the package and its imports, or the checks below pass on nothing.
-    assert len(graph) > 40 and {"__init__", "engine", "reducer", "integrations/lightning"} <= set(graph)
-    assert "capture" in graph["engine"] and "reducer" in graph["capture"]
+    assert len(graph) > 40 and {"__init__", "engine/engine", "reduce/reducer", "integrations/lightning"} <= set(graph)
+    assert "tiers/capture" in graph["engine/engine"] and "reduce/reducer" in graph["tiers/capture"]
     assert "__init__" in graph["integrations/hf"]  # import pygraph_dist as pgd
-    assert "_ext" not in graph["_ext"] and "__init__" not in graph["_ext"]  # from . import _C: native
+    assert graph["runtime/_ext"] == {}  # from .. import _C: native
 
 
 def test_no_import_cycles():
@@ -192,28 +192,49 @@ def test_no_import_cycles():
         + "\nMove what both need into a lower module, or pass it down as an argument.")
 
 
-def test_every_module_in_one_layer():
+def test_every_module_in_a_layer():
     modules = set(import_graph())
-    declared = [m for _, layer in LAYERS for m in layer]
-    twice = sorted({m for m in declared if declared.count(m) > 1})
-    assert not twice, f"modules in more than one layer of LAYERS: {twice}"
-    missing = sorted(modules - set(declared))
-    assert not missing, (f"modules in no layer: {missing}; add each to the layer of its concern in "
-                         "LAYERS (tests/python/test_layers.py)")
-    stale = sorted(set(declared) - modules)
-    assert not stale, f"LAYERS names modules that do not exist: {stale}"
+    names = [name for name, _ in LAYERS]
+    assert len(names) == len(set(names)), f"a layer named twice in LAYERS: {names}"
+    missing = sorted(m for m in modules if layer_name(m) not in names)
+    assert not missing, (f"modules in no layer: {missing}; put each in the subpackage of its concern, "
+                         "or declare a new subpackage in LAYERS (tests/python/test_layers.py)")
+    stale = sorted(n for n in names if not any(layer_name(m) == n for m in modules))
+    assert not stale, f"LAYERS names layers with no module: {stale}"
+    flat = sorted(m for m in modules if "/" not in m and m != "__init__")
+    assert not flat, f"modules outside every subpackage: {flat}; each belongs in a layer's folder"
 
 
 def test_imports_point_down():
     graph = import_graph()
-    layer = layer_of()
-    upward = [f"{a} (layer {layer[a] + 1}: {LAYERS[layer[a]][0].split(':')[0]}) imports {b} "
-              f"(layer {layer[b] + 1}: {LAYERS[layer[b]][0].split(':')[0]}) at {a}.py:"
-              f"{','.join(map(str, lines))}"
+    layer = layer_of(graph)
+    upward = [f"{a} (layer {layer[a] + 1}: {LAYERS[layer[a]][0]}) imports {b} "
+              f"(layer {layer[b] + 1}: {LAYERS[layer[b]][0]}) at {a}.py:{','.join(map(str, lines))}"
               for a, targets in sorted(graph.items()) for b, lines in sorted(targets.items())
-              if a in layer and b in layer and layer[b] > layer[a]]
+              if layer[b] > layer[a]]
     assert not upward, ("imports that point up the layers of LAYERS (tests/python/test_layers.py):\n  "
                         + "\n  ".join(upward))
+
+
+def test_each_subpackage_says_what_it_may_import():
+    """The docstring of each layer's ``__init__.py`` ends by naming the layers it may
+    import, exactly the ones before it here: the tree documents the order."""
+    import re
+
+    names = [name for name, _ in LAYERS]
+    wrong = []
+    for i, name in enumerate(names):
+        init = PACKAGE / name / "__init__.py"
+        if name in ("__init__", "integrations") or not init.exists():
+            continue
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        found = re.search(r"May import: ([^.]*)\.", doc)
+        declared = [] if not found or found.group(1) == "nothing of the package" else \
+            [x.strip() for x in found.group(1).split(",")]
+        if not found or declared != names[:i]:
+            wrong.append(f"{name}/__init__.py says {found.group(0) if found else 'nothing'}; "
+                         f"LAYERS gives: May import: {', '.join(names[:i]) or 'nothing of the package'}.")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_a_cycle_is_found_and_named(tmp_path):

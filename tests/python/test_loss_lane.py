@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pygraph_dist.loss_lane import COMMITTED, OFF, PENDING, LaneTensor, Recorder
-from pygraph_dist.loss_match import LaneRun
+from pygraph_dist.loop.loss_lane import COMMITTED, OFF, PENDING, LaneTensor, Recorder
+from pygraph_dist.loop.loss_match import LaneRun
 
 
 class _Copy(torch.autograd.Function):
@@ -466,7 +466,7 @@ def test_the_pending_loss_read_where_scripts_read_it():
 
 
 def test_the_report_line_counts_steps():
-    from pygraph_dist.split_lane import LaneGraphs
+    from pygraph_dist.tiers.split_lane import LaneGraphs
 
     g = LaneGraphs()
     g._init_lane()
@@ -484,8 +484,8 @@ def lane_agreement(learned_on="0,1"):
     import torch.distributed as dist
 
     import pygraph_dist as pgd
-    from pygraph_dist.graph_cache import GraphEntry
-    from pygraph_dist.split_lane import LaneGraphs
+    from pygraph_dist.graphs.graph_cache import GraphEntry
+    from pygraph_dist.tiers.split_lane import LaneGraphs
 
     pgd.init()
     rank = dist.get_rank()

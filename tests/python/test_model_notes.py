@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from pygraph_dist.model_notes import capture_divergences
-from pygraph_dist.reporting import ModelReport, Report
+from pygraph_dist.reports.model_notes import capture_divergences
+from pygraph_dist.reports.reporting import ModelReport, Report
 
 
 class Attention(nn.Module):

@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, child_env, free_port
-from pygraph_dist.launch_env import first_slurm_host
+from pygraph_dist.launch.launch_env import first_slurm_host
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
 WORLD, PER_HOST = 4, 2

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pygraph_dist as pgd
-from pygraph_dist.config import OPTIONS, WrapConfig
+from pygraph_dist.loop.config import OPTIONS, WrapConfig
 
 API_PAGE = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 FIELDS = dataclasses.fields(WrapConfig)
@@ -98,12 +98,12 @@ def test_namespace_is_all():
 
 
 def test_report_function_and_module_both_reachable():
-    """``pygraph_dist.report()`` is the documented function; the module is ``pygraph_dist.reporting``."""
-    import pygraph_dist.reporting as reporting
+    """``pygraph_dist.report()`` is the documented function; the module is ``pygraph_dist.reports.reporting``."""
+    import pygraph_dist.reports.reporting as reporting
 
     assert callable(pgd.report) and not isinstance(pgd.report, types.ModuleType)
-    assert pgd.reporting is reporting and pgd.Report is reporting.Report
-    assert reporting.ModelReport.__module__ == "pygraph_dist.reporting"
+    assert pgd.reports.reporting is reporting and pgd.Report is reporting.Report
+    assert reporting.ModelReport.__module__ == "pygraph_dist.reports.reporting"
     r = pgd.report()
     assert isinstance(r, pgd.Report) and isinstance(str(r), str)
     assert isinstance(pgd.report(as_dict=True)["models"], list)

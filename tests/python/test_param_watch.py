@@ -17,10 +17,10 @@ CASE = r"""
 import json
 import torch
 import pygraph_dist as pgd
-from pygraph_dist._ext import C
-from pygraph_dist.graph_cache import GraphEntry
-from pygraph_dist.param_groups import snapshot_hyperparams
-from pygraph_dist.graph_cache import decode_param_state
+from pygraph_dist.runtime._ext import C
+from pygraph_dist.graphs.graph_cache import GraphEntry
+from pygraph_dist.loop.param_groups import snapshot_hyperparams
+from pygraph_dist.graphs.graph_cache import decode_param_state
 
 pgd.init()
 out = {"native": hasattr(C, "ParamWatch")}

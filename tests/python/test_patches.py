@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 import pygraph_dist
-from pygraph_dist import clip_route, lifetime, optim, patches
+from pygraph_dist.step import clip_route, optim
+from pygraph_dist.launch import lifetime
+from pygraph_dist.runtime import patches
 
 PACKAGE = Path(__file__).resolve().parents[2] / "python" / "pygraph_dist"
 
@@ -254,7 +256,7 @@ def test_no_patch_site_outside_patches_py():
     files = [p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "patches.py"]
     assert len(files) > 40
     found = [v for p in files for v in _violations(p.relative_to(PACKAGE).as_posix(), p.read_text())]
-    assert not found, "change torch through python/pygraph_dist/patches.py (and register it there):\n" \
+    assert not found, "change torch through python/pygraph_dist/runtime/patches.py (and register it there):\n" \
         + "\n".join(found)
 
 

@@ -20,7 +20,7 @@ MIB = 2**20
 
 
 def test_the_line_names_each_phase_and_the_rest(monkeypatch):
-    from pygraph_dist import pool_account
+    from pygraph_dist.graphs import pool_account
 
     allocated = iter([100 * MIB, 900 * MIB, 164 * MIB, 164 * MIB])  # start, forward, backward, step
     monkeypatch.setattr(pool_account.torch.cuda, "memory_allocated", lambda device=None: next(allocated))
@@ -36,7 +36,7 @@ def test_the_line_names_each_phase_and_the_rest(monkeypatch):
 
 
 def test_only_gradients_outside_the_buckets_are_the_pools():
-    from pygraph_dist.pool_account import held_grad_bytes
+    from pygraph_dist.graphs.pool_account import held_grad_bytes
 
     bucket = torch.zeros(8)
     a, b, c = (torch.nn.Parameter(torch.zeros(4)) for _ in range(3))
@@ -49,7 +49,7 @@ def test_only_gradients_outside_the_buckets_are_the_pools():
 
 
 def test_an_accounting_error_never_reaches_the_capture(monkeypatch):
-    from pygraph_dist import pool_account
+    from pygraph_dist.graphs import pool_account
 
     monkeypatch.setattr(pool_account.torch.cuda, "memory_allocated", lambda device=None: 0)
     account = pool_account.PoolAccount(torch.device("cpu"), held_grads=lambda: 1 // 0)
@@ -59,8 +59,8 @@ def test_an_accounting_error_never_reaches_the_capture(monkeypatch):
 
 
 def test_the_verbose_report_prints_it_for_a_live_graph():
-    from pygraph_dist.reporting import GraphReport
-    from pygraph_dist.report_text import _table
+    from pygraph_dist.reports.reporting import GraphReport
+    from pygraph_dist.reports.report_text import _table
 
     fields = dict(inputs="x", phase="replay", reason="", iterations=10, replays=8, eager_iterations=2,
                   capture_attempts=1, recaptures=0, collectives="-", n_collectives=0, capture_ms=1.0,

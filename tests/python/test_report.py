@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch.nn.utils import clip_grad_norm_ as imported_clip_grad_norm_  # bound before wrap() (clip=9)
 import pygraph_dist as pgd
 from common import MLP, data, device
-from pygraph_dist.report_reasons import split_violations
-from pygraph_dist.reporting import GraphReport, ModelReport, Report, summarize
-import pygraph_dist.reporting as report_mod  # pgd.report is the function; the module is reporting
+from pygraph_dist.reports.report_reasons import split_violations
+from pygraph_dist.reports.reporting import GraphReport, ModelReport, Report, summarize
+import pygraph_dist.reports.reporting as report_mod  # pgd.report is the function; the module is reporting
 
 MAX_LINES = 12
 INPUTS = "(64, 256) int64, (64, 256) int64"
@@ -269,7 +269,7 @@ def test_stock_backend_warning_once_per_group(caplog, monkeypatch):
                                                          "group": object()}))
     said = [r.getMessage() for r in caplog.records if "stock backend" in r.getMessage()]
     assert len(said) == 1, said
-    assert "collective fingerprints are off" in said[0] and "pygraph_dist.backend.register()" in said[0]
+    assert "collective fingerprints are off" in said[0] and "pygraph_dist.launch.backend.register()" in said[0]
 
 
 def test_report_without_a_wrapped_model():
@@ -502,7 +502,7 @@ def test_stock_backend_is_said_at_wrap_and_in_the_report(ranks, world):
     for rank, r in enumerate(results):
         assert len(r["stock_warnings"]) == (rank == 0), r["stock_warnings"]  # once, on rank 0
         assert "stock backend: collective fingerprints off" in flat(r["text"]), r["text"]
-        assert "pygraph_dist.backend.register()" in flat(r["text"]), r["text"]
+        assert "pygraph_dist.launch.backend.register()" in flat(r["text"]), r["text"]
         assert r["dict"]["models"][0]["stock_backend"] is True
     assert "collective fingerprints are off" in results[0]["stock_warnings"][0]
 
@@ -514,7 +514,7 @@ def test_a_line_inside_a_framework_is_named_with_the_loops_own(tmp_path):
     innermost line outside the frameworks that led there."""
     import os
 
-    from pygraph_dist.monitor import user_location
+    from pygraph_dist.loop.monitor import user_location
 
     src = tmp_path / "site-packages" / "accelerate" / "loop.py"
     src.parent.mkdir(parents=True)

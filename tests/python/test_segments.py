@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 import pygraph_dist as pgd
-from pygraph_dist.capture import varying_paths
-from pygraph_dist.graph_cache import pad_batch
+from pygraph_dist.tiers.capture import varying_paths
+from pygraph_dist.graphs.graph_cache import pad_batch
 
 from common import (MLP, SparseLM, adamw, data, device, flat_params, gpu_model, max_diff, ranks_agree,
                     token_data, train)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pygraph_dist.conformance import chain_key, loss_edge, scale_chain
+from pygraph_dist.loop.conformance import chain_key, loss_edge, scale_chain
 
 
 def unit_scaled(target, loss, edge=None) -> bool:
@@ -64,8 +64,8 @@ def test_the_handed_out_loss_is_a_fresh_interior_tensor():
     spelling for an older extension): a copy of the graph's static loss that
     requires grad, is not a leaf (transformers' ``loss *= 1`` works), keeps the
     in-place check working, and has nothing behind its grad_fn."""
-    from pygraph_dist import engine
-    from pygraph_dist._ext import C
+    from pygraph_dist.engine import engine
+    from pygraph_dist.runtime._ext import C
 
     makers = [engine._hand_out_loss_py]
     if hasattr(C, "hand_out_loss"):
@@ -94,7 +94,7 @@ def test_the_loss_of_a_tuple_output_is_its_one_0_dim_tensor():
     """nanoGPT's ``logits, loss = model(x, y)``: the 0-dim tensor is the candidate
     loss (where the engine allows the rule: a monitor, no amp="fp16"). A
     one-element prediction of a batch of 1 is not 0-dim, so it never competes."""
-    from pygraph_dist.outputs import find_loss
+    from pygraph_dist.loop.outputs import find_loss
 
     logits, loss = torch.randn(4, 8), torch.tensor(1.5)
     assert find_loss((logits, loss), tuples=True) is loss
@@ -115,7 +115,7 @@ def test_the_handed_out_loss_on_a_gpu_is_the_same_bytes_stream_ordered():
     or a side stream, behind GPU work); fresh_copy keeps clone()'s strides
     (channels_last, transposed, size-1 dimensions, an offset) and falls back
     to clone() where the elements are not one dense span."""
-    from pygraph_dist._ext import C
+    from pygraph_dist.runtime._ext import C
 
     if not getattr(C, "cuda_enabled", False):
         pytest.fail("pygraph_dist._C was built without CUDA code paths on a machine with a GPU")
@@ -184,7 +184,7 @@ def test_a_constant_scale_seeds_the_same_backward_bitwise(dtype, scale):
     """A tier-1 graph runs backward of the returned loss seeded with what the
     loop's scaling makes of 1.0 (conformance.loss_seed): the gradients must be
     bitwise those of the loop's own backward of the scaled loss."""
-    from pygraph_dist.conformance import loss_seed
+    from pygraph_dist.loop.conformance import loss_seed
 
     w, loss = _forward(dtype)
     edge = loss_edge(loss)

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _init_dist_connection
 
-from .. import backend as _backend
-from .. import launch_env
-from ..config import OPTIONS
+from ..launch import backend as _backend
+from ..launch import launch_env
+from ..loop.config import OPTIONS
 
 NAME = "pgd"
 _WRAP_OPTIONS = frozenset(OPTIONS) - {"process_group"}  # the strategy's own group

@@ -57,8 +57,10 @@ import torch
 import torch.distributed as dist
 
 import pygraph_dist as pgd
-from pygraph_dist import GraphedModule, clip_route, patches
-from pygraph_dist.config import OPTIONS, sparse_param_names
+from pygraph_dist import GraphedModule
+from pygraph_dist.step import clip_route
+from pygraph_dist.runtime import patches
+from pygraph_dist.loop.config import OPTIONS, sparse_param_names
 
 from . import _hf_nan_filter
 

@@ -65,7 +65,7 @@ import torch
 
 import pygraph_dist as pgd
 
-from ..arguments import IgnoredArgs
+from ..loop.arguments import IgnoredArgs
 
 try:
     import lightning.pytorch as pl
@@ -193,7 +193,7 @@ class PGDStrategy(DDPStrategy):
     the Trainer's ``precision`` and ``gradient_clip_val``. ``fit`` ends with a
     teardown that releases the graphs; ``strategy.last_report`` is
     ``pygraph_dist``'s report of this model just before it (tiers, replays): a
-    :class:`~pygraph_dist.reporting.ModelReport`, which ``print()`` shows as the
+    :class:`~pygraph_dist.reports.reporting.ModelReport`, which ``print()`` shows as the
     text of ``pygraph_dist.report()``."""
 
     strategy_name = NAME

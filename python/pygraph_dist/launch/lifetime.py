@@ -1,0 +1,211 @@
+"""Lifetime of wrapped models: the live engines, and their teardown before the
+process group goes away.
+
+NCCL >= 2.26 makes ``ncclCommDestroy`` wait for every CUDA graph that still
+references the communicator, so destroying the process group (or exiting,
+which destroys it) while a graph is alive hangs (pytorch#115388). Every
+engine therefore releases its graphs first, from two places:
+
+* **the process group's own shutdown** -- ``ProcessGroup.shutdown()``. From
+  torch 2.9 on, ``destroy_process_group`` shuts a group down by calling
+  ``pg.shutdown()`` on the group object (``distributed_c10d.py``: every group
+  of the world, in reverse creation order, or the one subgroup given), and
+  ``ProcessGroup.shutdown`` runs each backend's ``shutdown()`` -- for NCCL,
+  the communicator's destruction. The hook sits on that method of the class,
+  so it runs however the script reached ``destroy_process_group``: the module
+  attribute, a name imported with ``from torch.distributed import
+  destroy_process_group`` before ``wrap()`` (which a rebound module attribute
+  missed: a GPT script hung at its last line), Lightning's or Accelerate's
+  teardown, or ``pgd.shutdown()``; with ``pgd.init()``'s backend and with
+  torch's stock NCCL alike. Why not in our C++ backend's ``shutdown()``: it
+  runs inside the same call, after the hook, and would have to call back into
+  Python for graphs that Python owns; the stock backend has no such override.
+* **interpreter exit** -- ``atexit``, registered at the first ``wrap()``
+  (after ``init_process_group``), so it runs before torch's own exit handlers
+  and before the group objects are destroyed (ProcessGroupNCCL's destructor
+  shuts its communicator down when the script never did).
+
+Destroying a subgroup releases the graphs of the engines that reduce over it;
+destroying the world (or the default group) releases every engine's graphs.
+A released engine runs its module as is: there is no group left to reduce over.
+
+Before graphs are released the device is drained, with a bound
+(``PYGRAPH_DIST_EXIT_DRAIN_S``, 5 s): work still queued can only fail to
+finish when it waits for a collective that a peer never launched -- the peer
+was interrupted (Ctrl-C reaches the ranks a step apart) or died. Waiting for
+it would hang the exit for ever, so the communicators of the live engines are
+aborted instead (``ProcessGroup.abort()``, ``ncclCommAbort``: NCCL's kernels
+poll its flag) and the exit goes on, with an error in the log.
+
+:func:`uninstall` puts ``ProcessGroup.shutdown`` back (``pgd.shutdown()``); the
+hook and its undo are ``patches.py``'s (entry ``ProcessGroup.shutdown``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import threading
+import weakref
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from ..runtime import patches
+
+logger = logging.getLogger("pygraph_dist")
+
+
+class Closable(Protocol):
+    serial: int
+    group: Any
+
+    def teardown(self) -> None: ...
+
+
+_LIVE: "weakref.WeakSet[Closable]" = weakref.WeakSet()
+_SERIAL = itertools.count(1)
+_lock = threading.RLock()
+_installed = False
+
+
+def register(engine: Closable) -> int:
+    """Track ``engine`` until it is garbage; returns its creation serial (report order)."""
+    install()
+    with _lock:
+        serial = next(_SERIAL)
+        _LIVE.add(engine)
+    return serial
+
+
+def live_engines() -> list:
+    """The live engines of this process, in creation order."""
+    return sorted(_LIVE, key=lambda e: e.serial)
+
+
+def teardown_all() -> None:
+    """Release every live graph and synchronise, so that destroying the process
+    group cannot hang. Runs at exit and when the default group shuts down."""
+    _release(live_engines())
+
+
+def _release(engines: list) -> None:
+    engines = [e for e in engines if not getattr(e, "closed", False)]
+    if not engines:
+        return
+    if not _drain(drain_seconds()):
+        _abort_groups(engines)
+    for engine in engines:
+        engine.teardown()
+
+
+def drain_seconds() -> float:
+    """How long a teardown waits for the device's queued work (``PYGRAPH_DIST_EXIT_DRAIN_S``)."""
+    try:
+        return max(0.0, float(os.environ.get("PYGRAPH_DIST_EXIT_DRAIN_S", "5")))
+    except ValueError:
+        return 5.0
+
+
+def _drain(timeout_s: float) -> bool:
+    """Wait at most ``timeout_s`` for the current device's queued work; True
+    when it finished (or there is no CUDA work to wait for)."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return True
+    done = threading.Event()
+
+    def synchronize() -> None:
+        try:
+            torch.cuda.synchronize()  # releases the GIL while it waits
+        except Exception:  # noqa: BLE001 - a broken context cannot be drained; teardown says so
+            logger.debug("synchronize during teardown failed", exc_info=True)
+        finally:
+            done.set()
+
+    threading.Thread(target=synchronize, name="pygraph_dist-drain", daemon=True).start()
+    return done.wait(timeout_s)
+
+
+def _abort_groups(engines: list) -> None:
+    """Abort the communicators the engines' graphs wait on, so that their
+    kernels return and the process can end."""
+    groups = []
+    for engine in engines:
+        group = getattr(engine, "group", None)
+        if group is not None and not any(_same_group(group, g) for g in groups):
+            groups.append(group)
+    logger.error(
+        "rank %s: work queued on the GPU did not finish within %.0f s of teardown: it waits for "
+        "a collective that another rank never launched (that rank was interrupted or died). "
+        "Aborting %d communicator(s) so that this process can end; the last step's update may "
+        "be incomplete on this rank. PYGRAPH_DIST_EXIT_DRAIN_S sets the wait.",
+        _rank(), drain_seconds(), len(groups))
+    for group in groups:
+        try:
+            group.abort()
+        except Exception:  # noqa: BLE001 - best effort: the exit must go on
+            logger.warning("aborting the process group failed", exc_info=True)
+    _drain(drain_seconds())
+
+
+def _rank() -> str:
+    try:
+        return str(dist.get_rank()) if dist.is_initialized() else "?"
+    except (RuntimeError, ValueError):
+        return "?"
+
+
+def _same_group(a, b) -> bool:
+    if a is None or b is None:
+        return False
+    if a is b:
+        return True
+    try:  # another Python handle of the same C++ group
+        return a.group_name == b.group_name
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def release_for(group) -> None:
+    """Release the graphs that ``group``'s shutdown would hang on: every
+    engine's when it is the default group, else those reducing over it."""
+    if group is None:
+        return
+    try:
+        world = dist.group.WORLD if dist.is_initialized() else None
+    except (AssertionError, RuntimeError, ValueError):
+        world = None
+    if _same_group(group, world):
+        teardown_all()
+        return
+    _release([e for e in live_engines() if _same_group(getattr(e, "group", None), group)])
+
+
+def install() -> None:
+    """Register the exit handler (once) and hook the process group's shutdown
+    (``patches.hook_process_group_shutdown``: again after ``patches.undo_all()``)."""
+    global _installed
+    with _lock:
+        if not _installed:
+            atexit.register(teardown_all)
+            _installed = True
+        patches.hook_process_group_shutdown(lambda group: release_for(group), logger)
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (after the engines are torn down)."""
+    global _installed
+    with _lock:
+        if _installed:
+            atexit.unregister(teardown_all)
+            _installed = False
+        patches.undo("ProcessGroup.shutdown")
+
+
+def installed() -> bool:
+    """Whether the shutdown hook is in place (for tests and ``report()``)."""
+    return _installed and patches.process_group_shutdown_hooked()
