@@ -7,7 +7,11 @@
 * every ``wrap()`` option is in the API reference (docs/api.md);
 * every reason string the code can print is in docs/troubleshooting.md
   (docs/check_reasons.py defines "reason string" and does the scan);
-* README.md stays a front page: at most 150 lines, naming the two commands.
+* README.md stays a front page: at most 150 lines, naming the two commands;
+* design.md's module map has a row for every module of the package, under its
+  layer, and names the layers of tests/python/test_layers.py in their order;
+  docs/_static/layers.svg (docs/layers_figure.py) names what ``LAYERS`` and the
+  tree say.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 sys.path.insert(0, str(DOCS))
 import check_reasons  # noqa: E402  (docs/check_reasons.py)
+import layers_figure  # noqa: E402  (docs/layers_figure.py; matplotlib only to draw)
 
 _LINK = re.compile(r"(?<!\!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 
@@ -166,3 +171,85 @@ def test_readme_is_a_front_page():
     assert "## The two commands" in text
     assert "./launch/run-main-job.sh" in text and "./tests/run-all.sh" in text
     assert "docs/" in text  # links into the documentation
+
+
+# ------------------------------------------------------------------ the module map and the layers figure
+def _module_map(text: str | None = None) -> str:
+    """design.md's "## Module map" section, up to the next ``## `` heading."""
+    text = (DOCS / "design.md").read_text() if text is None else text
+    start = text.index("## Module map\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else len(text)]
+
+
+_LAYER_LINE = re.compile(r"^\*\*Layer (\d+): `([^`]+)`\*\* — (.*)$")
+_ROW = re.compile(r"^\| `([^`]+)` \|")
+
+
+def module_map_problems(section: str, layers, modules) -> list[str]:
+    """What the module map gets wrong: a module of the package without a row (or
+    with its row under another layer), a row naming no module, a layer missing,
+    out of order or with another concern than ``LAYERS`` gives."""
+    want_layers = [(str(i), "__init__.py" if name == "__init__" else f"{name}/", concern)
+                   for i, (name, concern) in enumerate(layers, 1)]
+    # the package's modules as the map names them: path under the package, with .py;
+    # a subpackage's __init__.py is its layer's line, not a row.
+    want_rows = {f"{m}.py": m.split("/")[0] for m in modules if not m.endswith("/__init__")}
+    problems, found_layers, rows = [], [], {}
+    current = None
+    for line in section.splitlines():
+        if (m := _LAYER_LINE.match(line)):
+            found_layers.append(m.groups())
+            current = layers[int(m.group(1)) - 1][0] if 0 < int(m.group(1)) <= len(layers) else None
+        elif (m := _ROW.match(line)) and m.group(1).endswith(".py"):
+            rows[m.group(1)] = current
+    if found_layers != want_layers:
+        problems.append("the layer lines (**Layer N: `name/`** — concern) are not LAYERS in order:\n    found "
+                        + "\n          ".join(map(str, found_layers)) + "\n    want "
+                        + "\n          ".join(map(str, want_layers)))
+    for path, layer in sorted(want_rows.items()):
+        if path not in rows:
+            problems.append(f"no row for {path}: add `| `{path}` | what it owns |` under Layer "
+                            f"{[n for n, _ in layers].index(layer) + 1}: {layer}")
+        elif rows[path] != layer:
+            problems.append(f"the row for {path} is under layer {rows[path]}, not {layer}")
+    problems += [f"a row names {path}, which is no module of the package" for path in sorted(rows)
+                 if path not in want_rows]
+    return problems
+
+
+def test_module_map_names_every_module_under_its_layer():
+    layers, modules = layers_figure.load_layers()
+    problems = module_map_problems(_module_map(), layers, modules)
+    assert not problems, ("docs/design.md's module map disagrees with the package and "
+                          "tests/python/test_layers.py's LAYERS:\n  " + "\n  ".join(problems))
+
+
+def test_module_map_check_sees_a_missing_row():
+    """The map check is not vacuous: a row taken out, or a module added, is named."""
+    layers, modules = layers_figure.load_layers()
+    section = _module_map()
+    assert "| `reduce/reducer.py` |" in section and "**Layer 6: `reduce/`**" in section
+    cut = "\n".join(line for line in section.splitlines() if not line.startswith("| `reduce/reducer.py` |"))
+    assert any("reduce/reducer.py" in p for p in module_map_problems(cut, layers, modules))
+    assert any("loop/new_rule.py" in p for p in module_map_problems(section, layers, modules + ["loop/new_rule"]))
+    moved = section.replace("| `loop/amp.py` |", "| `step/amp.py` |")
+    assert any("step/amp.py" in p for p in module_map_problems(moved, layers, modules))
+    assert any("not LAYERS in order" in p for p in module_map_problems(section, layers[::-1], modules))
+
+
+def test_layers_figure_is_current():
+    """docs/_static/layers.svg says what LAYERS and the tree say (compared as text,
+    so matplotlib's version does not matter; ``python docs/layers_figure.py`` redraws it)."""
+    layers, modules = layers_figure.load_layers()
+    want = layers_figure.figure_texts(layers_figure.boxes(layers, modules))
+    # what equality means: every layer, with its number, and every module is drawn
+    drawn = " ".join(want)
+    for i, (name, _) in enumerate(layers, 1):
+        assert f"layer {i} · " in drawn
+    assert all(f"{m.rsplit('/', 1)[-1]}.py" in drawn for m in modules if not m.endswith("/__init__"))
+    have = layers_figure.svg_texts()
+    assert have == want, (
+        "docs/_static/layers.svg is out of date: run `python docs/layers_figure.py` (matplotlib).\n"
+        f"  only in the figure: {sorted(set(have) - set(want))}\n  only in LAYERS and the tree: "
+        f"{sorted(set(want) - set(have))}")
