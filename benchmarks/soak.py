@@ -12,16 +12,25 @@ cost per replay.
 
 Memory: every ``--sample-every`` replays of the watched model, after a device
 sync: ``torch.cuda.memory_allocated``, ``memory_reserved`` and host RSS
-(``/proc/self/statm``). Flat means each of the three moved by at most
-``--flat-mib`` (1 MiB) between the sample at 1k replays and the last one; the
-JSON says which moved and by how much, and the exit code is 1 if one did
-(``--check``). A PNG of the three curves is written next to the JSON when
-matplotlib is installed.
+(``/proc/self/statm``), and the Python heap's block count
+(``sys.getallocatedblocks``). Host values are read at a quiet point:
+``gc.collect()``, the watched model's replay watchdog drained (its poller drops
+completed replays once per ``poll_s``, up to 1 s, so up to a second of replays'
+labels and events are queued at any moment), then ``malloc_trim(0)`` (freed heap
+pages back to the OS: a queue that once ran longer leaves its high-water mark
+in RSS otherwise). Live memory is never trimmed, so a leak still shows; the
+raw RSS before quieting is kept as ``rss_raw``. Flat means allocated, reserved
+and RSS each moved by at most ``--flat-mib`` (1 MiB), and the Python heap by at
+most ``--flat-blocks`` blocks (a leak of one object per step is ~18k), between
+the sample at 1k replays and the last one; the JSON says which moved and by how
+much, and the exit code is 1 if one did (``--check``). A PNG of the curves is
+written next to the JSON when matplotlib is installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -42,6 +51,36 @@ MIB = 1024 * 1024
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc; absent elsewhere (musl, macOS)
+    except (OSError, AttributeError):
+        return None
+
+
+MALLOC_TRIM = _malloc_trim()
+
+
+def watchdog_pending(model) -> int:
+    """Replays the model's native watchdog still holds (0 without one)."""
+    watchdog = getattr(model.engine, "watchdog", None)
+    return watchdog.pending if watchdog is not None else 0
+
+
+def host_sample(model, wait_s: float = 3.0) -> dict:
+    """Host memory at a quiet point (the device already synchronised): RSS as
+    found, then after a GC, the watchdog's queue drained and malloc_trim."""
+    raw, pending = rss_bytes(), watchdog_pending(model)
+    gc.collect()
+    deadline = time.perf_counter() + wait_s  # the poller wakes every poll_s <= 1 s
+    while watchdog_pending(model) and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    if MALLOC_TRIM is not None:
+        MALLOC_TRIM(0)
+    return {"rss": rss_bytes(), "py_blocks": sys.getallocatedblocks(), "rss_raw": raw,
+            "watchdog_pending": pending, "watchdog_pending_after": watchdog_pending(model)}
 
 
 class MLP(nn.Module):
@@ -83,6 +122,8 @@ def main() -> int:
     ap.add_argument("--loop", choices=["inside", "outside"], default="inside",
                     help="loss inside the model (tier 1) or outside (tier 2)")
     ap.add_argument("--flat-mib", type=float, default=1.0)
+    ap.add_argument("--flat-blocks", type=int, default=2000,
+                    help="Python heap blocks (sys.getallocatedblocks) allowed to grow from 1k replays")
     ap.add_argument("--check", action="store_true", help="exit 1 unless memory stayed flat")
     ap.add_argument("--out", default="soak.json")
     args = ap.parse_args()
@@ -128,7 +169,7 @@ def main() -> int:
         done += args.block
         if done // args.sample_every != before // args.sample_every or done >= args.replays:
             samples.append({"replays": done, "allocated": torch.cuda.memory_allocated(dev),
-                            "reserved": torch.cuda.memory_reserved(dev), "rss": rss_bytes()})
+                            "reserved": torch.cuda.memory_reserved(dev), **host_sample(watched[0])})
         if rank == 0 and time.perf_counter() > next_print:
             print(f"soak: {done}/{args.replays} replays per model, "
                   f"{time.perf_counter() - t_start:.0f} s", flush=True)
@@ -139,6 +180,8 @@ def main() -> int:
     last = samples[-1]
     growth = {k: (last[k] - base[k]) / MIB for k in ("allocated", "reserved", "rss")}
     flat = {k: abs(v) <= args.flat_mib for k, v in growth.items()}
+    growth_blocks = last["py_blocks"] - base["py_blocks"]
+    flat["py_blocks"] = abs(growth_blocks) <= args.flat_blocks
     med_w, med_u = statistics.median(times["watched"]), statistics.median(times["unwatched"])
     result = {
         "device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "world_size": world,
@@ -146,6 +189,9 @@ def main() -> int:
         "replays_per_model": {"watched": r.models[0].replays, "unwatched": r.models[1].replays},
         "tiers": sorted({gr.tier for gr in r.models[0].graphs}),
         "samples": samples, "growth_mib_from_1k": growth, "flat": flat, "flat_mib": args.flat_mib,
+        "growth_blocks_from_1k": growth_blocks, "flat_blocks": args.flat_blocks,
+        "rss_raw_growth_mib_from_1k": (last["rss_raw"] - base["rss_raw"]) / MIB,
+        "malloc_trim": MALLOC_TRIM is not None,
         "all_flat": all(flat.values()),
         "ms_per_replay": {"watched_median": med_w, "unwatched_median": med_u,
                           "watched_blocks": times["watched"], "unwatched_blocks": times["unwatched"]},
@@ -161,6 +207,11 @@ def main() -> int:
         for k, v in growth.items():
             print(f"  {k:<9} {base[k] / MIB:10.1f} MiB at {base['replays']} -> {last[k] / MIB:10.1f} MiB at "
                   f"{last['replays']}: {v:+.2f} MiB ({'flat' if flat[k] else 'NOT FLAT'})")
+        print(f"  py_blocks {base['py_blocks']:10d} at {base['replays']} -> {last['py_blocks']:10d} at "
+              f"{last['replays']}: {growth_blocks:+d} blocks "
+              f"({'flat' if flat['py_blocks'] else 'NOT FLAT'}, limit {args.flat_blocks})")
+        print(f"  rss before GC, watchdog drain and malloc_trim: {result['rss_raw_growth_mib_from_1k']:+.2f} MiB; "
+              f"watchdog queue at the samples: {[s['watchdog_pending'] for s in samples]}")
         print(f"  ms/replay: watchdog on {med_w:.4f}, off {med_u:.4f} (x{med_w / med_u:.3f}, "
               f"{(med_w - med_u) * 1e3:+.1f} us per replay)")
         print(f"  wrote {out}" + (f" and {png}" if png else ""))

@@ -184,6 +184,15 @@ class ReplayWatchdog:
             return
         self._python_arm(label)
 
+    @property
+    def pending(self) -> int:
+        """Replays armed and not yet seen complete (benchmarks/soak.py samples
+        memory once this is 0: the native poller drains it once per poll)."""
+        if self._native is not None:
+            return int(self._native.pending)
+        with self._lock:
+            return len(self._pending)
+
     def clear(self) -> None:
         """Forget pending replays (after a synchronize, when graphs are released)."""
         if self._native is not None:
