@@ -113,6 +113,7 @@ class EngineState:
         self.group = None
         self.step.group = None
         self.runner.group = None
+        self.accum.group = None
         self.fp_backend = None
         self.runner.fp_backend = None
         self.optimizer.__dict__.pop("_pgd_engine", None)

@@ -166,7 +166,10 @@ class EngineWiring:
         self.reducer.on_views_moved = self.split_clip.release  # its graph read the old views
         # Adopted views leave a released graph's pool (not at teardown: nothing trains after it).
         self.cache.on_none_live = lambda: None if self.closed else self.reducer.restore_views()
-        self.accum = LearnedAccumulation(self, enabled=config.learn_accumulation)
+        self.accum = LearnedAccumulation(
+            self.reducer.params, reduce_now=_reduce_now(self.reducer, self.step, self.loop),
+            group=self.group, device=self.agree_device, rank=self.rank, world_size=self.world_size,
+            enabled=config.learn_accumulation)
         self.evals = EvalGraphs(self)
         # fast_lane.py: zero_grad in one C++ call.
         self._clear_grads = ClearGrads(optimizer, self.step.optimizer_class, self.reducer.watch,
@@ -196,6 +199,17 @@ class EngineWiring:
         if not self.opt_plan.graphable and self.device.type == "cuda" and len(devices) == 1:
             reasons.append(self.opt_plan.reason)
         return reasons[0] if reasons else ""
+
+
+def _reduce_now(reducer: GradientReducer, step: IterationStep, loop: LoopState):
+    """Learned accumulation's eager reduction of the pending local sums: on the
+    compute stream, and not seen by the loop's monitor (accumulation.py)."""
+
+    def reduce_now() -> None:
+        with loop.unwatched(), step.on_compute_stream():
+            reducer.reduce_now()
+
+    return reduce_now
 
 
 def _group_timeout_s(group) -> float:

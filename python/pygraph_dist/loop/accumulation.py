@@ -33,6 +33,7 @@ getter passes through torch-function modes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -81,14 +82,22 @@ class _ReadGuard(TorchFunctionMode):
 class LearnedAccumulation:
     """The per-model state: calls this step, the agreed K, pending local sums."""
 
-    def __init__(self, engine, *, enabled: bool) -> None:
-        self.engine = engine
-        self.param_ids = {id(p) for p in engine.reducer.params}
+    def __init__(self, params, *, reduce_now: Callable[[], None], group, device: torch.device,
+                 rank: int, world_size: int, enabled: bool) -> None:
+        """``params``: the reducer's (whose ``.grad`` reads are watched);
+        ``reduce_now``: all-reduce the pending local sums, unwatched, on the
+        compute stream; ``group`` and ``device``: where the first step's
+        agreement runs (``group`` is set to None at teardown)."""
+        self.param_ids = {id(p) for p in params}
+        self.reduce_now = reduce_now
+        self.group = group
+        self.device = device
+        self.rank = rank
         self.calls = 0  # training calls of the model since the last step()
         self.k = 0  # agreed micro-batches per step; 0: every call reduces (DDP)
-        self.decided = not enabled or engine.world_size == 1
+        self.decided = not enabled or world_size == 1
         self.reason = ("off (wrap(..., learn_accumulation=False))" if not enabled else
-                       "nothing to reduce at world size 1" if engine.world_size == 1 else "")
+                       "nothing to reduce at world size 1" if world_size == 1 else "")
         self.used_no_sync = False
         self.mid_read = False  # a .grad read between micro-batches (first step)
         self.pending = False  # deferred micro-batches not reduced yet
@@ -152,22 +161,19 @@ class LearnedAccumulation:
             self.read_in_window = True
 
     def _reduce(self, key: str, detail: str) -> None:
-        eng = self.engine
-        with eng.loop.unwatched(), eng.step.on_compute_stream():
-            eng.reducer.reduce_now()
+        self.reduce_now()
         self.pending = False
         self._note(key, detail + "; the local sums were reduced eagerly")
 
     def _note(self, key: str, detail: str) -> None:
         first = key not in self.corrections
         self.corrections[key] = self.corrections.get(key, 0) + 1
-        if first and self.engine.rank == 0:
+        if first and self.rank == 0:
             logger.info("gradient accumulation: %s (reported once per kind)", detail)
 
     def _decide(self) -> None:
-        eng = self.engine
         got = agreed_max([self.calls, -self.calls, int(self.used_no_sync), int(self.mid_read)],
-                         group=eng.group, device=eng.agree_device)
+                         group=self.group, device=self.device)
         most, fewest, no_sync, mid = got[0], -got[1], got[2], got[3]
         self.decided = True
         if no_sync:
@@ -182,7 +188,7 @@ class LearnedAccumulation:
         else:
             self.k = most
             self.reason = f"learned: {most} micro-batches per step, all-reduced on the last"
-            if eng.rank == 0:
+            if self.rank == 0:
                 logger.info("gradient accumulation without no_sync(): %d micro-batches per step, "
                             "learned in the first step; the all-reduce runs on the last of them "
                             "(wrap(..., learn_accumulation=False) reduces every one, as DDP)", most)
