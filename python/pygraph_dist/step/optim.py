@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -190,6 +191,20 @@ def _not_graphable(plan: OptimizerPlan, opt, reason: str) -> OptimizerPlan:
 # ---------------------------------------------------------------------------
 
 
+class StepOwner(Protocol):
+    """What a graph-aware optimizer calls on the engine of its model
+    (``engine.Engine``, a layer above): public attributes and methods only."""
+
+    delegating_step: bool  # the engine's step is calling the optimizer's own step()
+    grad_scaler: torch.amp.GradScaler | None  # amp="fp16": saved with the optimizer's state
+
+    def optimizer_step(self, closure=None): ...
+
+    def optimizer_zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def on_optimizer_state_loaded(self, extra) -> None: ...
+
+
 class GraphedOptimizerMixin:
     """Routes ``step``/``zero_grad`` of a wrapped optimizer through the engine.
 
@@ -240,8 +255,9 @@ class GraphedOptimizerMixin:
 _CLASSES: dict[type, type] = {}
 
 
-def make_graph_aware(opt: torch.optim.Optimizer, engine) -> torch.optim.Optimizer:
-    """Swap ``opt``'s class for its graph-aware subclass and attach ``engine``."""
+def make_graph_aware(opt: torch.optim.Optimizer, engine: StepOwner | None) -> torch.optim.Optimizer:
+    """Swap ``opt``'s class for its graph-aware subclass and attach ``engine``
+    (the :class:`StepOwner` its ``step()``, ``zero_grad()`` and state go through)."""
     cls = type(opt)
     if not issubclass(cls, GraphedOptimizerMixin):
         if cls not in _CLASSES:
