@@ -263,7 +263,7 @@ def test_a_tier2_clip_never_captured_is_described_with_its_reasons():
     (the probe's reason says why), and the graph's replays once one exists."""
     from pygraph_dist.tiers.split_clip import SplitClip
 
-    clip = SplitClip(engine=None)
+    clip = SplitClip(step=None, runner=None, accum=None, clip_param_ids=frozenset())  # describe() reads none
     clip.off = False
     assert clip.describe() == ""
     clip._eager()  # a call routable() refused: the probe's reason covers it

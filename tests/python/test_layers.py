@@ -6,7 +6,7 @@ Issue 48, item 3. The graph is read from the sources (``ast``), not from
 still a cycle: the two modules still need each other, and the next change to
 either has to know both. Cut a cycle by moving code to where it belongs (a
 lower module both can import, an argument passed down, a narrow interface
-such as ``evaluation.EvalEngine``), never by hiding the import.
+such as ``clip_route.ClipOwner``), never by hiding the import.
 
 Modules are named by their path in the package without ``.py``
 (``reduce/reducer``, ``integrations/hf``, ``__init__`` for the package itself). The

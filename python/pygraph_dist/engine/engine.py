@@ -45,6 +45,7 @@ from torch import nn
 from ..graphs import host_copies
 from ..graphs.graph_cache import GraphEntry
 from ..launch import lifetime
+from ..loop.amp import autocast_state
 from ..loop.arguments import leaf_name, varying_detail
 from ..loop.compiled import TIMER as COMPILE_TIMER
 from ..loop.config import WrapConfig
@@ -126,6 +127,11 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
     def entries(self):
         return self.cache.entries
 
+    @property
+    def in_tier2_step(self) -> bool:
+        """This step's model calls replayed tier 2's forward graphs (clip_route.route)."""
+        return self._split_step is not None
+
     # ============================================================ one iteration
     @timed("model call")
     def run(self, args: tuple, kwargs: dict):
@@ -136,7 +142,9 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         if self.closed:  # after teardown (no process group left): the module as is
             return self.step.evaluate(args, kwargs)
         if not torch.is_grad_enabled():  # evaluation (no_grad, inference_mode): forward graphs
-            return self.evals.call(args, kwargs)
+            sync, self.buffers_sync_due = self.buffers_sync_due, False
+            return self.evals.call(args, kwargs, iteration=self.iteration, ignored=self.ignored,
+                                   sync_buffers=sync)
         if not self.module.training:  # eval mode with autograd on: the module as is, eagerly
             return self.step.evaluate(args, kwargs)
         if self._frozen_at_wrap:
@@ -175,7 +183,8 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
                 entry, leaves = self._guard_match(args, kwargs), None
                 if entry is None:
                     leaves, spec = _flatten((args, kwargs))
-                    entry = self.cache.find(*self._signature(args, kwargs, leaves, spec), self._ambient())
+                    entry = self.cache.find(*self.ignored.signature(args, kwargs, leaves, spec),
+                                            autocast_state(self.device.type))
                 out = self._split_forward(entry, leaves) if entry is not None else None
                 if out is not None:
                     return out
@@ -195,7 +204,7 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         if entry is None:
             args, kwargs = self.cache.pad(args, kwargs)
             leaves, spec = _flatten((args, kwargs))
-            masked, spec = self._signature(args, kwargs, leaves, spec)
+            masked, spec = self.ignored.signature(args, kwargs, leaves, spec)
             entry = self._entry_for(masked, spec)
             if entry.policy.phase == Phase.REPLAY and not self.cache.pad_batch_to:
                 self._guard(entry, args, kwargs, masked)
@@ -282,7 +291,7 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
             return None
         if not entry.guard.match(args, kwargs):
             return None
-        if self._ambient() != entry.key[2]:
+        if autocast_state(self.device.type) != entry.key[2]:
             entry.guard.discard()
             return None
         return entry
@@ -321,22 +330,8 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
     def _selecting(self, entry: GraphEntry) -> bool:
         return self.runner.selecting(entry, self.graphs_possible)
 
-    @timed("signature")
-    def _ambient(self) -> tuple:
-        """State outside the arguments that a graph bakes in: the caller's autocast."""
-        kind = self.device.type
-        return (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-
-    def _signature(self, args: tuple, kwargs: dict, leaves: list, spec) -> tuple[list, object]:
-        """The leaves and structure a call's signature is made of: the call's
-        own, with the ``ignore_args`` values masked (each is one leaf, so the
-        positions of the tensors do not move)."""
-        if not self.ignored:
-            return leaves, spec
-        return pytree.tree_flatten(self.ignored.mask(args, kwargs))
-
     def _entry_for(self, leaves: list, spec) -> GraphEntry:
-        entry, new = self.cache.lookup(leaves, spec, self._ambient())
+        entry, new = self.cache.lookup(leaves, spec, autocast_state(self.device.type))
         if not new:
             return entry
         if entry.key[0] != "unhashable":
@@ -429,10 +424,6 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         out = torch.full_like(norm, float("nan"))
         self._norm_requests.append(out)
         return out
-
-    def user_clip(self, params: list, max_norm, norm_type, error_if_nonfinite, foreach):
-        """``torch.nn.utils.clip_grad_norm_`` over this model's parameters (clip_route.py)."""
-        return clip_route.route(self, params, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def probing(self) -> bool:
         """A probe iteration: the loop runs as written (watched, unless wrap(monitor=False))."""

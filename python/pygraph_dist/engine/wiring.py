@@ -162,15 +162,17 @@ class EngineWiring:
                                 and os.environ.get("PYGRAPH_DIST_FAST_CASTS", "1") != "0"
                                 and kernels.widening_ready(self.device))
         self.split = SplitGraphs(self.runner, self.loop.backward_finished)
-        self.split_clip = SplitClip(self)  # tier 2: the loop's clip_grad_norm_ as a graph
-        self.reducer.on_views_moved = self.split_clip.release  # its graph read the old views
         # Adopted views leave a released graph's pool (not at teardown: nothing trains after it).
         self.cache.on_none_live = lambda: None if self.closed else self.reducer.restore_views()
         self.accum = LearnedAccumulation(
             self.reducer.params, reduce_now=_reduce_now(self.reducer, self.step, self.loop),
             group=self.group, device=self.agree_device, rank=self.rank, world_size=self.world_size,
             enabled=config.learn_accumulation)
-        self.evals = EvalGraphs(self)
+        # tier 2: the loop's clip_grad_norm_ as a graph
+        self.split_clip = SplitClip(self.step, self.runner, self.accum, clip_param_ids=self.clip_param_ids)
+        self.reducer.on_views_moved = self.split_clip.release  # its graph read the old views
+        self.evals = EvalGraphs(module, self.step, self.cache, self.runner, enabled=config.eval_graphs,
+                                graphs_possible=self.graphs_possible, graphs_reason=self.graphs_reason)
         # fast_lane.py: zero_grad in one C++ call.
         self._clear_grads = ClearGrads(optimizer, self.step.optimizer_class, self.reducer.watch,
                                        self.reducer.params)

@@ -378,7 +378,7 @@ def describe_entries(entries, bucket_kinds: list[str]) -> list:
 
 def _autocast_name(key: tuple) -> str:
     """The caller's autocast a signature was seen under (the key's ambient part,
-    ``Engine._ambient``): "bf16", "fp16", or "" when off."""
+    ``amp.autocast_state``): "bf16", "fp16", or "" when off."""
     ambient = key[2][-2:] if len(key) == 3 else ()  # evaluation keys put their mode first
     if len(ambient) != 2 or not ambient[0]:
         return ""

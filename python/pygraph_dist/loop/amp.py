@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.spans import timed
+
 _ALIASES = {
     None: None,
     "none": None,
@@ -32,6 +34,13 @@ _ALIASES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+
+
+@timed("signature")
+def autocast_state(kind: str) -> tuple:
+    """State outside a call's arguments that a graph bakes in: the caller's
+    autocast on device type ``kind`` (part of every graph's key)."""
+    return (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -166,6 +166,14 @@ class IgnoredArgs:
         kwargs = {k: IGNORED if k in self.names else v for k, v in kwargs.items()}
         return args, kwargs
 
+    def signature(self, args: tuple, kwargs: dict, leaves: list, spec) -> tuple[list, object]:
+        """The leaves and structure a call's signature is made of: the call's own
+        (``leaves``, ``spec``), with the ignored values masked (each is one leaf,
+        so the positions of the tensors do not move)."""
+        if not self.names:
+            return leaves, spec
+        return pytree.tree_flatten(self.mask(args, kwargs))
+
     def watch(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Watcher]:
         """``(args, kwargs)`` with stand-ins that report their uses to the returned watcher."""
         watcher = _Watcher()

@@ -64,12 +64,35 @@ import operator
 import os
 import types
 import zlib
+from typing import Protocol
 
 import torch
 
 from ..launch import lifetime
+from ..loop.conformance import LoopState
 from ..reduce.bucket_comm import copy_plan
 from ..runtime import patches
+
+class ClipOwner(Protocol):
+    """What routing a clip reads of the engine that owns the parameters
+    (``engine.Engine``, a layer above): public attributes and methods only."""
+
+    closed: bool  # torn down: the clip is torch's again
+    clip_param_ids: frozenset[int]  # every parameter of the model, frozen ones too
+    loop: LoopState  # where the loop stands in the step, and what the probe saw
+    step: object  # its IterationStep (step.py, which imports this module): routed_clip, routable()'s reads
+    split_clip: object  # tier 2's SplitClip (a layer above): call(params, ...) -> the norm, or None
+
+    @property
+    def in_tier2_step(self) -> bool:
+        """This step's model calls replayed tier 2's forward graphs."""
+
+    def probing(self) -> bool:
+        """A probe iteration: the loop runs as written."""
+
+    def grad_norm_after_step(self) -> torch.Tensor:
+        """The norm the step that already ran (tier 1) clipped with."""
+
 
 # torch's functions, as they were before install(); the step calls these.
 ORIGINAL = patches.TORCH_CLIP_GRAD_NORM
@@ -240,10 +263,10 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     if engine is None:  # torch's, as called: a generator stays one (torch warns when it is empty)
         given = (p for p in params) if isinstance(parameters, types.GeneratorType) else params
         return ORIGINAL(given, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
-    return engine.user_clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    return route(engine, params, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
-def _engine_of(params: list):
+def _engine_of(params: list) -> ClipOwner | None:
     """The live engine whose model any of ``params`` belongs to (the first
     parameter's, at once, for the usual model.parameters())."""
     if not params:
@@ -261,11 +284,14 @@ def _engine_of(params: list):
     return None
 
 
-def routable(engine, params: list, max_norm, norm_type, error_if_nonfinite, foreach) -> str:
-    """Why this call cannot move into the step graph ("" when it can)."""
-    if engine.step.max_grad_norm is not None:
+def routable(step, clip_param_ids: frozenset[int], params: list, max_norm, norm_type, error_if_nonfinite,
+             foreach) -> str:
+    """Why this call cannot move into the step graph ("" when it can). ``step``:
+    the model's :class:`~pygraph_dist.step.step.IterationStep` (its clip, scaler,
+    sparse parameters and reducer); ``clip_param_ids``: every parameter of the model."""
+    if step.max_grad_norm is not None:
         return "wrap(max_grad_norm=...) clips inside the step already"
-    if engine.grad_scaler is not None:
+    if step.grad_scaler is not None:
         return "amp='fp16' scales the gradients until the step unscales them"
     numbers = (int, float)
     if not (isinstance(max_norm, numbers) and isinstance(norm_type, numbers)) or isinstance(max_norm, bool):
@@ -281,21 +307,21 @@ def routable(engine, params: list, max_norm, norm_type, error_if_nonfinite, fore
         return f"max_norm={max_norm}"
     if error_if_nonfinite:
         return "error_if_nonfinite=True reads the norm on the host"
-    if engine.step.sparse_ids:
+    if step.sparse_ids:
         return "the model has sparse gradients (stepped eagerly, outside the graph)"
-    ids = engine.clip_param_ids
+    ids = clip_param_ids
     if not all(id(p) in ids for p in params):
         return "the parameters include some of another model"
     passed = {id(p) for p in params}
     if len(passed) != len(params):
         return "a parameter is passed twice"
-    if not all(id(p) in passed for p in engine.reducer.params if p.requires_grad):
+    if not all(id(p) in passed for p in step.reducer.params if p.requires_grad):
         return "the call clips part of the model's trainable parameters"
     return ""
 
 
-def route(engine, params: list, max_norm, norm_type, error_if_nonfinite, foreach):
-    """The call for a wrapped model's parameters (``Engine.user_clip``)."""
+def route(engine: ClipOwner, params: list, max_norm, norm_type, error_if_nonfinite, foreach):
+    """The call for a wrapped model's parameters (:func:`clip_grad_norm_`, for its engine)."""
     loop = engine.loop
     plan = engine.step.routed_clip
     # The engine ran this iteration: its step (and the clip in it) already
@@ -317,7 +343,8 @@ def route(engine, params: list, max_norm, norm_type, error_if_nonfinite, foreach
         loop.violation(what, "The graph clips as the probe iterations did. Keep the clipping call the "
                              "same in every iteration, or wrap(..., graphs=False).")
     if engine.probing() and loop.stage_after_backward():
-        why = routable(engine, params, max_norm, norm_type, error_if_nonfinite, foreach)
+        why = routable(engine.step, engine.clip_param_ids, params, max_norm, norm_type, error_if_nonfinite,
+                       foreach)
         if not why:
             loop.clip_seen(ClipPlan(float(max_norm), tuple(params), foreach))
         else:
@@ -331,7 +358,7 @@ def route(engine, params: list, max_norm, norm_type, error_if_nonfinite, foreach
         with loop.unwatched():  # judged here, not by its writes to the gradients
             return ORIGINAL(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite,
                             foreach=foreach)
-    if engine._split_step is not None:  # noqa: SLF001 - tier 2: this step's model calls replayed graphs
+    if engine.in_tier2_step:  # tier 2: this step's model calls replayed graphs
         norm = engine.split_clip.call(params, max_norm, norm_type, error_if_nonfinite, foreach)
         if norm is not None:  # split_clip.py: the same call as a graph of its own
             return norm

@@ -39,15 +39,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
-
 import torch
 import torch.utils._pytree as pytree
 
 from ..graphs import host_copies
 from ..graphs.capture_guard import describe_capture_error
 from ..graphs.graph_cache import GraphCache, GraphEntry, discard
-from ..loop.config import WrapConfig
+from ..loop.amp import autocast_state
+from ..loop.arguments import IgnoredArgs
 from ..loop.outputs import map_outputs
 from ..runtime._ext import C
 from ..step.step import IterationStep
@@ -60,57 +59,47 @@ EVAL_WARMUP = 2  # eager forwards on the capture stream before the capture
 EVAL_TIER = "eval"
 
 
-class EvalEngine(Protocol):
-    """What evaluation reads of the wrapped model's engine (``engine.Engine``,
-    which builds :class:`EvalGraphs` in ``wiring.py``); this module sits below it."""
-
-    module: torch.nn.Module
-    config: WrapConfig
-    step: IterationStep
-    cache: GraphCache
-    runner: GraphRunner
-    fp_backend: object | None  # the graph-safe backend, recording collectives (None: stock)
-    device: torch.device
-    rank: int
-    iteration: int
-    graphs_possible: bool
-    graphs_reason: str
-    buffers_sync_due: bool  # written: the buffers' broadcast is done here
-
-    def _signature(self, args: tuple, kwargs: dict, leaves: list, spec) -> tuple[list, object]: ...
-
-    def _ambient(self) -> tuple: ...
-
-
 class EvalGraphs:
     """Forward-only graphs of one wrapped model (entries of its graph cache)."""
 
-    def __init__(self, engine: EvalEngine) -> None:
-        self.engine = engine
+    def __init__(self, module: torch.nn.Module, step: IterationStep, cache: GraphCache, runner: GraphRunner,
+                 *, enabled: bool, graphs_possible: bool, graphs_reason: str) -> None:
+        """The model's parts the training graphs use too: ``step`` (the forward,
+        the buffers' broadcast, the device and rank), ``cache`` (entries, pool,
+        events), ``runner`` (capture, host copies, the graph-safe backend);
+        ``enabled``: ``wrap(eval_graphs=...)``; why the model has no graphs, if so."""
+        self.module = module
+        self.step = step
+        self.cache = cache
+        self.runner = runner
+        self.enabled = enabled
+        self.graphs_possible = graphs_possible
+        self.graphs_reason = graphs_reason
 
-    def call(self, args: tuple, kwargs: dict):
-        """The model call with grad disabled: warm-up, capture, replay or eager."""
-        eng = self.engine
-        if eng.buffers_sync_due:
-            eng.buffers_sync_due = False
-            if eng.step.buffers:
-                with torch.no_grad(), eng.step.on_compute_stream():
-                    eng.step.broadcast_buffers()
+    def call(self, args: tuple, kwargs: dict, *, iteration: int, ignored: IgnoredArgs, sync_buffers: bool):
+        """The model call with grad disabled: warm-up, capture, replay or eager.
+        ``iteration``: the engine's (for the events); ``ignored``: the arguments
+        left out of the signature; ``sync_buffers``: the first call after a
+        synchronised training forward broadcasts rank 0's buffers first."""
+        step, cache = self.step, self.cache
+        if sync_buffers and step.buffers:
+            with torch.no_grad(), step.on_compute_stream():
+                step.broadcast_buffers()
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        entry = self._entry_for(args, kwargs, leaves, spec)
+        entry = self._entry_for(args, kwargs, leaves, spec, ignored)
         if entry.policy.phase == Phase.REPLAY:
             moved = self._moved(entry)
             if moved:
-                eng.cache.invalidate(entry, eng.iteration, moved)
+                cache.invalidate(entry, iteration, moved)
         phase = entry.policy.begin_iteration()
-        entry.last_used = eng.iteration
+        entry.last_used = iteration
         if phase == Phase.REPLAY:
             if entry.host_copies is not None and host_copies.check_due(entry):  # check mode: this rank alone
-                return host_copies.run_checked(entry, lambda: eng.step.evaluate(args, kwargs), cache=eng.cache,
-                                               iteration=eng.iteration, collective=False, rank=eng.rank)
+                return host_copies.run_checked(entry, lambda: step.evaluate(args, kwargs), cache=cache,
+                                               iteration=iteration, collective=False, rank=step.rank)
             return self._replay(entry, leaves)
         if phase == Phase.CAPTURE:
-            out = self._capture(entry, args, kwargs)
+            out = self._capture(entry, args, kwargs, iteration)
             if out is not None:
                 return out
             phase = Phase.EAGER  # this call, after a failed capture
@@ -118,35 +107,35 @@ class EvalGraphs:
             if not entry.first_seen_s:
                 entry.first_seen_s = time.perf_counter()
             entry.warmups += 1
-            with eng.step.on_compute_stream(), host_copies.observing(eng.runner.host_watch, entry):
-                return eng.step.evaluate(args, kwargs)
-        return eng.step.evaluate(args, kwargs)
+            with step.on_compute_stream(), host_copies.observing(self.runner.host_watch, entry):
+                return step.evaluate(args, kwargs)
+        return step.evaluate(args, kwargs)
 
     # ------------------------------------------------------------ signature
-    def _entry_for(self, args, kwargs, leaves, spec) -> GraphEntry:
-        eng = self.engine
-        sig_leaves, sig_spec = eng._signature(args, kwargs, leaves, spec)
-        ambient = (EVAL_TIER, eng.module.training, torch.is_inference_mode_enabled()) + eng._ambient()
-        entry, new = eng.cache.lookup(sig_leaves, sig_spec, ambient)
+    def _entry_for(self, args, kwargs, leaves, spec, ignored: IgnoredArgs) -> GraphEntry:
+        sig_leaves, sig_spec = ignored.signature(args, kwargs, leaves, spec)
+        ambient = ((EVAL_TIER, self.module.training, torch.is_inference_mode_enabled())
+                   + autocast_state(self.step.device.type))
+        entry, new = self.cache.lookup(sig_leaves, sig_spec, ambient)
         if not new:
             return entry
         entry.tier = EVAL_TIER
-        mode = "train mode" if eng.module.training else "eval mode"
+        mode = "train mode" if self.module.training else "eval mode"
         grad = "inference mode" if torch.is_inference_mode_enabled() else "no grad"
         entry.description = f"eval: {entry.description} ({mode}, {grad})"
         entry.policy = C.CapturePolicy(C.PolicyConfig(
             probe_iters=0, warmup_iters=EVAL_WARMUP, max_capture_attempts=2, max_recaptures=8))
-        if not eng.config.eval_graphs:
+        if not self.enabled:
             entry.policy.disable("evaluation graphs are off (wrap(..., eval_graphs=False))")
         elif entry.key[0] == "unhashable":
             entry.policy.disable("an argument of the model call is not hashable, so calls cannot be "
                                  "matched to graphs; pass tensors and plain Python values")
-        elif not eng.graphs_possible:
-            entry.policy.disable(eng.graphs_reason or "graphs are unavailable")
+        elif not self.graphs_possible:
+            entry.policy.disable(self.graphs_reason or "graphs are unavailable")
         return entry
 
     def _weights(self) -> list[int]:
-        module = self.engine.module
+        module = self.module
         return [t.data_ptr() for t in module.parameters()] + [b.data_ptr() for b in module.buffers()]
 
     def _moved(self, entry: GraphEntry) -> str | None:
@@ -159,20 +148,20 @@ class EvalGraphs:
         return None
 
     # -------------------------------------------------------------- capture
-    def _capture(self, entry: GraphEntry, args, kwargs):
+    def _capture(self, entry: GraphEntry, args, kwargs, iteration: int):
         """Record the forward, launch it once; its outputs, or None (then eager)."""
-        eng = self.engine
-        step, runner, cache = eng.step, eng.runner, eng.cache
+        step, runner, cache = self.step, self.runner, self.cache
+        device, fp_backend = step.device, runner.fp_backend  # the graph-safe backend (None: stock)
         static = pytree.tree_map(step.static_copy, step.to_device(args, kwargs))
-        torch.cuda.synchronize(eng.device)
-        generator = torch.cuda.default_generators[eng.device.index or 0]
+        torch.cuda.synchronize(device)
+        generator = torch.cuda.default_generators[device.index or 0]
         rng_snapshot = generator.clone_state()
         graph = torch.cuda.CUDAGraph()
         pool = cache.pool_for_capture()
         torch.cuda.empty_cache()  # as torch.cuda.graph does: the growth below is this graph's
-        reserved0 = torch.cuda.memory_reserved(eng.device)
-        if eng.fp_backend is not None:
-            eng.fp_backend.start_recording()
+        reserved0 = torch.cuda.memory_reserved(device)
+        if fp_backend is not None:
+            fp_backend.start_recording()
         t0 = time.perf_counter()
         error: BaseException | None = None
         out = None
@@ -182,7 +171,7 @@ class EvalGraphs:
         except Exception as exc:  # noqa: BLE001 - every failure runs this call eagerly
             error = exc
         finally:
-            fingerprint = eng.fp_backend.stop_recording() if eng.fp_backend is not None else None
+            fingerprint = fp_backend.stop_recording() if fp_backend is not None else None
         entry.capture_s = time.perf_counter() - t0
         reason, retryable = describe_capture_error(error)
         reason, retryable = host_copies.capture_failed(runner.host_watch, entry, error, reason, retryable)
@@ -192,11 +181,11 @@ class EvalGraphs:
         if reason:
             discard(graph)
             generator.graphsafe_set_state(rng_snapshot)
-            torch.cuda.synchronize(eng.device)
+            torch.cuda.synchronize(device)
             entry.policy.capture_failed(reason, retryable)
             nxt = "will retry after warm-up" if entry.policy.phase != Phase.EAGER else "running eagerly"
-            cache.event(entry, eng.iteration, "capture failed", f"{reason} ({nxt})")
-            if eng.rank == 0:
+            cache.event(entry, iteration, "capture failed", f"{reason} ({nxt})")
+            if step.rank == 0:
                 logger.warning("evaluation graph for [%s] not captured: %s; %s",
                                entry.description, reason, nxt)
             return None
@@ -204,20 +193,20 @@ class EvalGraphs:
         entry.static = static
         entry.static_leaves = pytree.tree_leaves(static)
         entry.static_result = out
-        entry.pool_bytes = max(0, torch.cuda.memory_reserved(eng.device) - reserved0)
+        entry.pool_bytes = max(0, torch.cuda.memory_reserved(device) - reserved0)
         entry.collectives = "none"
         entry.n_collectives = 0
         entry.drift.param_ptrs = self._weights()
         entry.policy.capture_succeeded()
-        cache.enforce_limits(entry, eng.iteration)
+        cache.enforce_limits(entry, iteration)
         if not entry.live:  # above graph_memory_mb
             return None
         graph.replay()  # capture records without running: this performs the call
         entry.setup_s = time.perf_counter() - (entry.first_seen_s or t0)
-        cache.event(entry, eng.iteration, "captured",
+        cache.event(entry, iteration, "captured",
                     f"forward only; capture {entry.capture_s * 1e3:.0f} ms, pool "
                     f"{entry.pool_bytes / 2**20:.1f} MiB{host_copies.describe(entry)}")
-        if eng.rank == 0:
+        if step.rank == 0:
             logger.info("captured [%s], capture %.0f ms", entry.description, entry.capture_s * 1e3)
         return map_outputs(out, _fresh)
 

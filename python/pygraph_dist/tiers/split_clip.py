@@ -47,6 +47,7 @@ import torch
 
 from ..graphs.capture_guard import end_failed_capture
 from ..graphs.graph_cache import discard
+from ..loop.amp import autocast_state
 from ..runtime import patches
 from ..runtime.spans import timed
 from ..step import clip_route
@@ -59,8 +60,16 @@ class SplitClip:
 
     MAX_RECAPTURES = 8
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, step, runner, accum, *, clip_param_ids: frozenset[int]) -> None:
+        """``step``: the model's :class:`~pygraph_dist.step.step.IterationStep`
+        (its reducer, device, rank and side stream); ``runner``: its
+        :class:`~pygraph_dist.tiers.capture.GraphRunner` (the capture and the
+        watchdog); ``accum``: its learned accumulation (sums still pending);
+        ``clip_param_ids``: every parameter of the model (``routable``)."""
+        self.step = step
+        self.runner = runner
+        self.accum = accum
+        self.clip_param_ids = clip_param_ids
         self.plan: clip_route.ClipPlan | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.norm: torch.Tensor | None = None
@@ -70,7 +79,7 @@ class SplitClip:
         self.failed = ""  # why there is no graph for good (then every call runs torch's)
         self._refused: tuple | None = None  # the last call routable() refused
         self.off = os.environ.get("PYGRAPH_DIST_CLIP_GRAPH", "1") == "0"  # A/B (benchmarks)
-        self.ambient = None  # engine._ambient() at capture (autocast)
+        self.ambient = None  # autocast_state() at capture
         self.recaptures = 0
         self.frozen: tuple = ()  # parameters passed that did not require grad at capture
         self.eager_why: dict[str, int] = {}  # calls that ran torch's, by reason found at the call
@@ -78,22 +87,21 @@ class SplitClip:
     @timed("clip graph")
     def call(self, params: list, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tensor | None:
         """The norm, clipped by the graph; None: the caller runs torch's function."""
-        engine = self.engine
-        reducer = engine.reducer
-        if self.off or self.failed or reducer.watch is None or engine.device.type != "cuda":
+        reducer = self.step.reducer
+        if self.off or self.failed or reducer.watch is None or self.step.device.type != "cuda":
             return self._eager()
         if self.graph is not None:
             if not self.plan.same_call(params, max_norm, norm_type, error_if_nonfinite, foreach):
                 return self._eager()
         elif not self._routable(params, max_norm, norm_type, error_if_nonfinite, foreach):
             return self._eager()
-        accum = engine.accum
+        accum = self.accum
         if not accum.decided or accum.pending or reducer.watch.not_views():
             return self._eager("the gradients were still accumulating or not the buckets' at the call")
         # What the graph bakes in besides the gradients: autocast (a half-precision
         # norm runs in fp32 under it), and any torch-function or dispatch mode
         # (a user's, or one of ours) that would see or change torch's ops.
-        ambient = engine._ambient()  # noqa: SLF001
+        ambient = autocast_state(self.step.device.type)
         if patches.any_mode_active():
             return self._eager("a torch-function or dispatch mode was active at the call; a graph "
                                "would bake it in or leave it out")
@@ -116,7 +124,7 @@ class SplitClip:
             self._capture(params, float(max_norm), foreach, ambient)
             if self.graph is None:
                 return self._eager()
-        engine.watchdog.replay([self.graph], "clip_grad_norm_ graph")
+        self.runner.watchdog.replay([self.graph], "clip_grad_norm_ graph")
         self.replays += 1
         return self.norm.clone()
 
@@ -130,7 +138,8 @@ class SplitClip:
         key = self._key(params, max_norm, norm_type, error_if_nonfinite, foreach)
         if self._refused is not None and self._refused == key:
             return False
-        why = clip_route.routable(self.engine, params, max_norm, norm_type, error_if_nonfinite, foreach)
+        why = clip_route.routable(self.step, self.clip_param_ids, params, max_norm, norm_type,
+                                  error_if_nonfinite, foreach)
         if why:  # the probe's reason (split_reason) says why, in report()
             self._refused = key
             return False
@@ -143,14 +152,14 @@ class SplitClip:
                 bool(error_if_nonfinite), foreach)
 
     def _capture(self, params: list, max_norm: float, foreach, ambient) -> None:
-        engine = self.engine
+        step = self.step
         graph = torch.cuda.CUDAGraph()
-        generator = torch.cuda.default_generators[engine.device.index or 0]
+        generator = torch.cuda.default_generators[step.device.index or 0]
         rng_snapshot = generator.clone_state()
         try:
             # A pool of its own: the graph lives as long as the model, whatever
             # the tier-2 entries' graphs (and their pool) do.
-            with engine.runner.capturing(graph, None):
+            with self.runner.capturing(graph, None):
                 norm = clip_route.clip_in_spans(params, max_norm, foreach)
         except Exception as exc:  # noqa: BLE001 - the clip stays torch's, eager
             self.failed = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
@@ -158,15 +167,15 @@ class SplitClip:
             # graph's memory freed. Unlike an iteration's failed capture the gradients
             # stay: they hold this step's values, which the caller clips eagerly.
             discard(graph)
-            end_failed_capture(generator, rng_snapshot, engine.step.stream, engine.device)
-            if engine.rank == 0:
+            end_failed_capture(generator, rng_snapshot, step.stream, step.device)
+            if step.rank == 0:
                 logger.warning("clip_grad_norm_ could not be captured as a graph (%s); it runs eagerly "
                                "between the graphs, as written.", self.failed)
             return
         self.plan = clip_route.ClipPlan(max_norm, tuple(params), foreach)
         self.graph, self.norm, self.ambient = graph, norm, ambient
-        self.state = engine.reducer.param_state()
-        if engine.rank == 0:
+        self.state = step.reducer.param_state()
+        if step.rank == 0:
             logger.info("tier 2: clip_grad_norm_(max_norm=%g) captured as a graph of its own", max_norm)
 
     def describe(self) -> str:
