@@ -60,7 +60,6 @@ from ..step import clip_route
 from ..tiers.capture import SELECT_REPLAYS
 from ..tiers.split_calls import Tier2Calls
 from .engine_state import TORN_DOWN, EngineState
-from .probe import ProbeCalls
 from .wiring import EngineWiring
 
 logger = logging.getLogger("pygraph_dist")
@@ -81,7 +80,7 @@ def _hand_out_loss_py(loss: torch.Tensor) -> torch.Tensor:
 _hand_out_loss = getattr(C, "hand_out_loss", _hand_out_loss_py)
 
 
-class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
+class Engine(EngineWiring, Tier2Calls, EngineState):
     """One wrapped model and its optimizer: ``GraphedModule.__call__`` is
     :meth:`run`, the optimizer's ``step()`` and ``zero_grad()`` are
     :meth:`optimizer_step` and :meth:`optimizer_zero_grad`. The parts are
@@ -111,7 +110,6 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
         # (the last one replayed; never with pad_batch_to, whose padding the guard skips).
         self._guarded: GraphEntry | None = None
         self._owned_lane = getattr(C, "replay_owned", None) is not None  # CUDA builds
-        self._inner_seen: list[str] = []  # autocast inside forward, seen by a probe (monitor.py)
         self._norm_requests: list[torch.Tensor] = []  # grad_norm_after_step(), filled by the step
         self.serial = lifetime.register(self)
 
@@ -324,6 +322,10 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
                        "change captures again, and after a few recaptures the loop trains eagerly. "
                        "To stay graphed, %s.", drift, fix)
 
+    def _user_forward(self, args: tuple, kwargs: dict, *, probe: bool):
+        """The forward as written (probe.py), with this call's sync and ignored arguments."""
+        return self.probe.user_forward(args, kwargs, probe=probe, sync=self._call_sync, ignored=self.ignored)
+
     def _first_iteration(self) -> bool:
         return self.iteration <= 1
 
@@ -410,7 +412,7 @@ class Engine(EngineWiring, ProbeCalls, Tier2Calls, EngineState):
             result = self.step.apply_step(closure)
         self._fill_norm_requests()
         if probe:
-            self._finish_probe(self._entry, seen)
+            self.probe.finish(self._entry, seen, iteration=self.iteration)
         return result
 
     def grad_norm_after_step(self) -> torch.Tensor:

@@ -84,7 +84,7 @@ class EngineState:
             events=[asdict(e) for e in self.cache.events],
             accumulation=self.accum.describe(), stock_backend=stock,
             tier1_needs=self.loop.split_reason if self.loop.probe_done else "",
-            inner_autocast=self._inner_seen[0] if self._inner_seen else "",
+            inner_autocast=self.probe.inner_seen[0] if self.probe.inner_seen else "",
             tier2_user_code=tier2,
             numerics=capture_divergences(self.module) if graphs_replayed else [],
         )
@@ -114,6 +114,7 @@ class EngineState:
         self.step.group = None
         self.runner.group = None
         self.accum.group = None
+        self.probe.group = None
         self.fp_backend = None
         self.runner.fp_backend = None
         self.optimizer.__dict__.pop("_pgd_engine", None)

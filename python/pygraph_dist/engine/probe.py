@@ -3,18 +3,19 @@ eager forward that every other path falls back to.
 
 A model call that the engine does not run itself (the probe iterations, the
 eager phase, tier 2's warm-up, a call no graph fits) goes through
-:meth:`ProbeCalls._user_forward`: the module's forward as written, the user's
+:meth:`Probe.user_forward`: the module's forward as written, the user's
 ``backward()`` and ``step()`` doing the rest. During the probe the
 :class:`~pygraph_dist.loop.monitor.LoopMonitor` watches the code around it, and at
 the probe's ``optimizer.step()``
 (:meth:`Engine.optimizer_step <pygraph_dist.engine.engine.Engine.optimizer_step>`)
-:meth:`ProbeCalls._finish_probe` has all ranks agree on the verdict: one graph
+:meth:`Probe.finish` has all ranks agree on the verdict: one graph
 per iteration (tier 1), graphs per micro-batch (tier 2,
 :mod:`~pygraph_dist.tiers.split_calls`), or eager training for good.
 
-:class:`ProbeCalls` is a mixin of :class:`~pygraph_dist.engine.engine.Engine`: it
-reads the engine's attributes (``loop``, ``step``, ``reducer``, ``ignored``,
-``cache``, ``group``...).
+:class:`Probe` is a part the engine holds (``Engine.probe``): it is given the
+parts it uses (the step, the loop's state, the runner, the graph cache) and
+what it cannot read from them is passed per call (the call's sync, the
+ignored arguments, the iteration).
 """
 
 from __future__ import annotations
@@ -22,13 +23,18 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from ..graphs.graph_cache import GraphEntry
+import torch
+
+from ..graphs.graph_cache import GraphCache, GraphEntry
 from ..launch import agreement
-from ..loop.conformance import chain_digest
+from ..loop.arguments import IgnoredArgs
+from ..loop.conformance import LoopState, chain_digest
 from ..loop.monitor import Violation, user_location, watch_host_syncs, watch_inner_autocast
 from ..loop.outputs import map_outputs
 from ..runtime._ext import C
 from ..step import clip_route
+from ..step.step import IterationStep
+from ..tiers.capture import GraphRunner
 from ..tiers.split import output_tensors
 
 logger = logging.getLogger("pygraph_dist")
@@ -36,50 +42,73 @@ logger = logging.getLogger("pygraph_dist")
 Phase = C.Phase
 
 
-class ProbeCalls:
-    """The engine's forward as written and the probe's verdict (mixed into ``Engine``)."""
+class Probe:
+    """The engine's forward as written and the probe's verdict (``Engine.probe``)."""
 
-    def _user_forward(self, args, kwargs, *, probe: bool):
+    def __init__(self, step: IterationStep, loop: LoopState, runner: GraphRunner, cache: GraphCache, *,
+                 group, agree_device: torch.device, compiled: bool, graphs_possible: bool,
+                 graphs_reason: str) -> None:
+        """``group`` and ``agree_device``: where the verdict is agreed (``group``
+        is set to None at teardown); ``compiled``: torch.compile runs the forward
+        (no hooks that would make it recompile); why the model has no graphs, if so."""
+        self.step = step
+        self.loop = loop
+        self.runner = runner
+        self.cache = cache
+        self.group = group
+        self.agree_device = agree_device
+        self.compiled = compiled
+        self.graphs_possible = graphs_possible
+        self.graphs_reason = graphs_reason
+        self.inner_seen: list[str] = []  # autocast inside forward, seen by a probe (monitor.py)
+
+    def user_forward(self, args, kwargs, *, probe: bool, sync: bool, ignored: IgnoredArgs):
         """Forward as written; the user's backward() and step() do the rest.
-        Returns what the module returns."""
-        if self.loop.owned and self.loop.zeroed_since_step:
-            self.step.clear_grads()  # the user's zero_grad() was a no-op during owned iterations
+        Returns what the module returns. ``sync``: this call's backward
+        all-reduces; ``ignored``: wrap(ignore_args=...), watched by a probe."""
+        loop, step = self.loop, self.step
+        device = step.device
+        if loop.owned and loop.zeroed_since_step:
+            step.clear_grads()  # the user's zero_grad() was a no-op during owned iterations
         # Only a probe checks for gradients left from the last step (a C++ loop: reducer.all_grads_none).
-        self.loop.user_forward(probe=probe, grads_present=probe and not self.reducer.all_grads_none())
-        args, kwargs = self.step.to_device(args, kwargs)
+        loop.user_forward(probe=probe, grads_present=probe and not step.reducer.all_grads_none())
+        args, kwargs = step.to_device(args, kwargs)
         watcher = None
-        if probe and self.ignored and not self.compiled:
-            args, kwargs, watcher = self.ignored.watch(args, kwargs)
-        with self.step.on_compute_stream(), watch_host_syncs(
-                probe and self.device.type == "cuda", self.runner.sync_sites), \
-                watch_inner_autocast(probe and not self._inner_seen and not self.compiled,  # hooks: recompiles
-                                     self.device.type, self._inner_seen), \
+        if probe and ignored and not self.compiled:
+            args, kwargs, watcher = ignored.watch(args, kwargs)
+        with step.on_compute_stream(), watch_host_syncs(
+                probe and device.type == "cuda", self.runner.sync_sites), \
+                watch_inner_autocast(probe and not self.inner_seen and not self.compiled,  # hooks: recompiles
+                                     device.type, self.inner_seen), \
                 watcher if watcher is not None else contextlib.nullcontext():
-            loss, out = self.step.forward(args, kwargs, sync=self._call_sync, need_loss=False)
+            loss, out = step.forward(args, kwargs, sync=sync, need_loss=False)
         if watcher is not None:
             watcher.on = False
             for name, how, where in watcher.uses:
-                self.loop.forward_violation(
+                loop.forward_violation(
                     f"the forward reads {name!r} ({how}), which wrap(ignore_args=...) leaves out of the "
                     "graphs' signatures", where,
                     f"A graph would replay the value it was captured with. Remove {name!r} from "
                     "ignore_args (each value then gets its own graph), or stop reading it in forward.")
-        if self.grad_scaler is not None:
+        if step.grad_scaler is not None:
             # amp="fp16": the scale is applied in backward. To the loss when the
             # module returns one; otherwise to every output, so that whatever
             # loss the user computes from them is scaled exactly once.
             if loss is not None:
-                scaled = self.step.scaled(loss)
+                scaled = step.scaled(loss)
                 out = map_outputs(out, lambda t: scaled if t is loss else t)
                 loss = scaled
             else:
-                out = map_outputs(out, lambda t: self.step.scaled(t) if t.requires_grad else t)
+                out = map_outputs(out, lambda t: step.scaled(t) if t.requires_grad else t)
         if probe:
-            self.loop.output_nodes |= {t.grad_fn for t in output_tensors(out) if t.grad_fn is not None}
-        self.loop.handed_out(loss, watch=probe)
+            loop.output_nodes |= {t.grad_fn for t in output_tensors(out) if t.grad_fn is not None}
+        loop.handed_out(loss, watch=probe)
         return out
 
-    def _finish_probe(self, entry: GraphEntry, violations) -> None:
+    def finish(self, entry: GraphEntry, violations, *, iteration: int) -> None:
+        """The probe's ``optimizer.step()`` done: all ranks agree on the verdict
+        (tier 1, tier 2 or eager), written into the loop's state, the step and
+        ``entry``'s policy."""
         self.loop.end_probe_step()
         clip, why = clip_route.probe_plan(self.loop)
         if why:
@@ -107,7 +136,7 @@ class ProbeCalls:
                 digests=[], group=self.group, device=self.agree_device,
             )
             if split.agreed:
-                if self.graphs_possible and not self.loop.split_reason and self.rank == 0:
+                if self.graphs_possible and not self.loop.split_reason and self.step.rank == 0:
                     logger.info("graphed per micro-batch (tier 2: forward and backward graphs, "
                                 "your code between them, the step graph at optimizer.step()). "
                                 "One graph per iteration (tier 1) would need: %s", verdict.reason)
@@ -124,8 +153,8 @@ class ProbeCalls:
                 verdict = split
             self.loop.verdict = verdict.reason
             entry.policy.conformance_failed(verdict.reason)
-            self.cache.event(entry, self.iteration, "loop not graphable", verdict.reason)
-            if self.rank == 0:
+            self.cache.event(entry, iteration, "loop not graphable", verdict.reason)
+            if self.step.rank == 0:
                 logger.warning("this training loop cannot be replayed as a CUDA graph: %s. "
                                "Training continues eagerly, exactly as written.", verdict.reason)
             return

@@ -45,6 +45,7 @@ from ..tiers.capture import GraphRunner
 from ..tiers.evaluation import EvalGraphs
 from ..tiers.split import SplitGraphs
 from ..tiers.split_clip import SplitClip
+from .probe import Probe
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -162,6 +163,9 @@ class EngineWiring:
                                 and os.environ.get("PYGRAPH_DIST_FAST_CASTS", "1") != "0"
                                 and kernels.widening_ready(self.device))
         self.split = SplitGraphs(self.runner, self.loop.backward_finished)
+        self.probe = Probe(self.step, self.loop, self.runner, self.cache, group=self.group,
+                           agree_device=self.agree_device, compiled=self.compiled,
+                           graphs_possible=self.graphs_possible, graphs_reason=self.graphs_reason)
         # Adopted views leave a released graph's pool (not at teardown: nothing trains after it).
         self.cache.on_none_live = lambda: None if self.closed else self.reducer.restore_views()
         self.accum = LearnedAccumulation(

@@ -44,7 +44,7 @@ _SITE = "; raised at "  # what capture_guard.site_text puts before the line that
 
 def split_violations(text: str) -> list[str]:
     """The loop check's reasons, one per item: it joins ``"what at file:line. fix"``
-    strings with ``"; "`` (probe.ProbeCalls._finish_probe), and fixes may hold ``"; "`` too,
+    strings with ``"; "`` (probe.Probe.finish), and fixes may hold ``"; "`` too,
     so a new item starts at the last ``"; "`` before the next ``" at file:line. "``."""
     anchors = list(_ANCHOR.finditer(text))
     if len(anchors) < 2:
