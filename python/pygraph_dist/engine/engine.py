@@ -58,7 +58,6 @@ from ..runtime._ext import C
 from ..runtime.spans import timed
 from ..step import clip_route
 from ..tiers.capture import SELECT_REPLAYS
-from ..tiers.split_calls import Tier2Calls
 from .engine_state import TORN_DOWN, EngineState
 from .wiring import EngineWiring
 
@@ -80,7 +79,7 @@ def _hand_out_loss_py(loss: torch.Tensor) -> torch.Tensor:
 _hand_out_loss = getattr(C, "hand_out_loss", _hand_out_loss_py)
 
 
-class Engine(EngineWiring, Tier2Calls, EngineState):
+class Engine(EngineWiring, EngineState):
     """One wrapped model and its optimizer: ``GraphedModule.__call__`` is
     :meth:`run`, the optimizer's ``step()`` and ``zero_grad()`` are
     :meth:`optimizer_step` and :meth:`optimizer_zero_grad`. The parts are
@@ -97,7 +96,6 @@ class Engine(EngineWiring, Tier2Calls, EngineState):
         self._wire(module, optimizer, config, group)  # wiring.py: every part, built and connected
         # The state of the step in flight, read and written by run() and optimizer_step().
         self._call_sync = True  # this model call's backward all-reduces (accumulation.py)
-        self._split_step: GraphEntry | None = None  # tier 2: the entry graphed this step
         self.iteration = 0  # optimizer steps begun (model calls that start a step)
         self.require_sync = True  # False inside GraphedModule.no_sync()
         self.opt_state_version = 0
@@ -128,7 +126,7 @@ class Engine(EngineWiring, Tier2Calls, EngineState):
     @property
     def in_tier2_step(self) -> bool:
         """This step's model calls replayed tier 2's forward graphs (clip_route.route)."""
-        return self._split_step is not None
+        return self.tier2.step_entry is not None
 
     # ============================================================ one iteration
     @timed("model call")
@@ -177,13 +175,14 @@ class Engine(EngineWiring, Tier2Calls, EngineState):
             # several forwards): the loop runs as written, as with DDP, its
             # forward and backward graphed when this step's first call was (tier 2).
             self.loop.model_called(in_no_sync=not self.require_sync)
-            if self._split_step is not None:
+            if self.tier2.step_entry is not None:
                 entry, leaves = self._guard_match(args, kwargs), None
                 if entry is None:
                     leaves, spec = _flatten((args, kwargs))
                     entry = self.cache.find(*self.ignored.signature(args, kwargs, leaves, spec),
                                             autocast_state(self.device.type))
-                out = self._split_forward(entry, leaves) if entry is not None else None
+                out = (self.tier2.forward(entry, leaves, iteration=self.iteration, sync=self._call_sync)
+                       if entry is not None else None)
                 if out is not None:
                     return out
                 if leaves is None:  # matched, but not replayed: the guard lets the call's tensors go
@@ -207,10 +206,7 @@ class Engine(EngineWiring, Tier2Calls, EngineState):
             if entry.policy.phase == Phase.REPLAY and not self.cache.pad_batch_to:
                 self._guard(entry, args, kwargs, masked)
         if entry.policy.phase == Phase.REPLAY:
-            drift = self.cache.drift(entry, self.reducer, self.optimizer,
-                                     self.opt_plan.lr_tensors, self.opt_state_version)
-            if drift:
-                self._invalidate(entry, drift)
+            self._drifted(entry)
         elif entry.policy.phase == Phase.WARMUP and self.cache.captured_any:
             entry.policy.cap_warmup(0 if entry.warmups else 1)
         phase = entry.policy.begin_iteration()
@@ -223,7 +219,9 @@ class Engine(EngineWiring, Tier2Calls, EngineState):
         if phase in (Phase.PROBE, Phase.EAGER):
             return self._user_forward(args, kwargs, probe=phase == Phase.PROBE)
         if self.loop.split_reason:
-            return self._split_call(entry, phase, args, kwargs, leaves)
+            return self.tier2.first_call(entry, phase, args, kwargs, leaves, iteration=self.iteration,
+                                         state_version=self.opt_state_version, sync=self._call_sync,
+                                         require_sync=self.require_sync, ignored=self.ignored)
         self.loop.mode = Mode.OWNED
         if phase == Phase.WARMUP:
             if not entry.first_seen_s:
@@ -301,6 +299,15 @@ class Engine(EngineWiring, Tier2Calls, EngineState):
             entry.guard = build_guard(args, kwargs, masked, entry.static_leaves)
             entry.guard_for = entry.static_leaves
         self._guarded = entry
+
+    def _drifted(self, entry: GraphEntry) -> bool:
+        """Whether ``entry``'s graphs no longer fit the parameters, the optimizer's
+        state or its baked hyperparameters (then they are released, and why said)."""
+        drift = self.cache.drift(entry, self.reducer, self.optimizer,
+                                 self.opt_plan.lr_tensors, self.opt_state_version)
+        if drift:
+            self._invalidate(entry, drift)
+        return bool(drift)
 
     def _invalidate(self, entry: GraphEntry, drift: str) -> None:
         """Release ``entry``'s graphs for ``drift``; a hyperparameter the graphs
@@ -403,8 +410,9 @@ class Engine(EngineWiring, Tier2Calls, EngineState):
                     f"({self.step.routed_clip.describe()}). Call clip_grad_norm_ the same way every "
                     "step, or wrap(..., graphs=False).")
             return None  # the graph (or the owned iteration) already stepped
-        split, self._split_step = self._split_step, None
-        if split is not None and self._split_step_now(split, closure):
+        split = self.tier2.end_step()  # tier 2: the step graph, unless this step is not the one captured
+        if split is not None and self.tier2.step_ready(split, closure) and not self._drifted(split):
+            self.tier2.replay_step(split, iteration=self.iteration)
             self._fill_norm_requests()
             return None
         self.reducer.finish_pending()

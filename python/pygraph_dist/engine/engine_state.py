@@ -115,6 +115,7 @@ class EngineState:
         self.runner.group = None
         self.accum.group = None
         self.probe.group = None
+        self.tier2.group = None
         self.fp_backend = None
         self.runner.fp_backend = None
         self.optimizer.__dict__.pop("_pgd_engine", None)

@@ -44,6 +44,7 @@ from ..step.step import IterationStep, release_side_stream
 from ..tiers.capture import GraphRunner
 from ..tiers.evaluation import EvalGraphs
 from ..tiers.split import SplitGraphs
+from ..tiers.split_calls import Tier2Router
 from ..tiers.split_clip import SplitClip
 from .probe import Probe
 
@@ -163,9 +164,6 @@ class EngineWiring:
                                 and os.environ.get("PYGRAPH_DIST_FAST_CASTS", "1") != "0"
                                 and kernels.widening_ready(self.device))
         self.split = SplitGraphs(self.runner, self.loop.backward_finished)
-        self.probe = Probe(self.step, self.loop, self.runner, self.cache, group=self.group,
-                           agree_device=self.agree_device, compiled=self.compiled,
-                           graphs_possible=self.graphs_possible, graphs_reason=self.graphs_reason)
         # Adopted views leave a released graph's pool (not at teardown: nothing trains after it).
         self.cache.on_none_live = lambda: None if self.closed else self.reducer.restore_views()
         self.accum = LearnedAccumulation(
@@ -175,6 +173,12 @@ class EngineWiring:
         # tier 2: the loop's clip_grad_norm_ as a graph
         self.split_clip = SplitClip(self.step, self.runner, self.accum, clip_param_ids=self.clip_param_ids)
         self.reducer.on_views_moved = self.split_clip.release  # its graph read the old views
+        self.probe = Probe(self.step, self.loop, self.runner, self.cache, group=self.group,
+                           agree_device=self.agree_device, compiled=self.compiled,
+                           graphs_possible=self.graphs_possible, graphs_reason=self.graphs_reason)
+        self.tier2 = Tier2Router(self.split, self.step, self.loop, self.cache, self.runner, self.accum,
+                                 user_forward=self.probe.user_forward, group=self.group,
+                                 agree_device=self.agree_device, loss_graphs=config.loss_graphs)
         self.evals = EvalGraphs(module, self.step, self.cache, self.runner, enabled=config.eval_graphs,
                                 graphs_possible=self.graphs_possible, graphs_reason=self.graphs_reason)
         # fast_lane.py: zero_grad in one C++ call.
