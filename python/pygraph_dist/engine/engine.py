@@ -23,8 +23,22 @@ branch of :meth:`Engine.run`:
 
 Module map: docs/design.md, a line per module. This module keeps the hot
 path: :meth:`Engine.run` → :meth:`Engine._train_call` (guard match → key →
-drift → ``begin_iteration`` → warm-up / capture / replay / tier 2), the
-hand-out, and the optimizer's ``step()`` and ``zero_grad()``.
+drift → ``begin_iteration`` → probe or eager / tier 2 / tier 1's warm-up,
+capture, replay, each a visible branch; a step's later calls:
+:meth:`Engine._later_call`), the hand-out, and the optimizer's ``step()``
+and ``zero_grad()``.
+
+The engine *has* its parts, each built in :mod:`~pygraph_dist.engine.wiring`
+and given only what it uses, none holding the engine: the reducer, the
+:class:`~pygraph_dist.step.step.IterationStep`, the graph cache and the
+:class:`~pygraph_dist.tiers.capture.GraphRunner` (tier 1), ``probe``
+(:class:`~pygraph_dist.engine.probe.Probe`: the loop as written, the
+verdict), ``tier2`` (:class:`~pygraph_dist.tiers.split_calls.Tier2Router`),
+``split_clip``, ``accum`` (learned accumulation), ``evals`` (evaluation
+graphs). What changes per call (the iteration, the call's sync, the optimizer
+state's version) is passed to them per call. The optimizer and the clip
+router reach the engine through Protocols of its public members
+(``optim.StepOwner``, ``clip_route.ClipOwner``).
 
 Numerics: warm-up, eager and replay run the same kernels in the same order,
 so graphed training is bitwise identical to the engine's eager mode
@@ -83,8 +97,8 @@ class Engine(EngineWiring, EngineState):
     """One wrapped model and its optimizer: ``GraphedModule.__call__`` is
     :meth:`run`, the optimizer's ``step()`` and ``zero_grad()`` are
     :meth:`optimizer_step` and :meth:`optimizer_zero_grad`. The parts are
-    built by :meth:`~pygraph_dist.engine.wiring.EngineWiring._wire`; the mixins hold
-    the paths off the hot one (module map above)."""
+    built by :meth:`~pygraph_dist.engine.wiring.EngineWiring._wire`;
+    ``EngineState`` holds the engine off the step (report, teardown)."""
 
     def __init__(
         self,
@@ -171,23 +185,7 @@ class Engine(EngineWiring, EngineState):
         """A training call: warm-up, capture, replay, or the loop as written."""
         self.reducer.finish_pending()
         if self.loop.stage is not Stage.IDLE and not self.loop.owned:
-            # Another model call in the same optimizer step (gradient accumulation,
-            # several forwards): the loop runs as written, as with DDP, its
-            # forward and backward graphed when this step's first call was (tier 2).
-            self.loop.model_called(in_no_sync=not self.require_sync)
-            if self.tier2.step_entry is not None:
-                entry, leaves = self._guard_match(args, kwargs), None
-                if entry is None:
-                    leaves, spec = _flatten((args, kwargs))
-                    entry = self.cache.find(*self.ignored.signature(args, kwargs, leaves, spec),
-                                            autocast_state(self.device.type))
-                out = (self.tier2.forward(entry, leaves, iteration=self.iteration, sync=self._call_sync)
-                       if entry is not None else None)
-                if out is not None:
-                    return out
-                if leaves is None:  # matched, but not replayed: the guard lets the call's tensors go
-                    entry.guard.discard()
-            return self._user_forward(args, kwargs, probe=self._phase == Phase.PROBE)
+            return self._later_call(args, kwargs)  # not the step's first call
         self.loop.model_called(in_no_sync=not self.require_sync)
         self.iteration += 1
         # The entry replayed last accepts this call (its InputGuard: fast_lane.py),
@@ -216,13 +214,13 @@ class Engine(EngineWiring, EngineState):
             entry.guard.discard()
             leaves, _ = _flatten((args, kwargs))
 
-        if phase in (Phase.PROBE, Phase.EAGER):
+        if phase in (Phase.PROBE, Phase.EAGER):  # the loop as written (probe.py)
             return self._user_forward(args, kwargs, probe=phase == Phase.PROBE)
-        if self.loop.split_reason:
+        if self.loop.split_reason:  # tier 2: graphs per micro-batch (split_calls.py)
             return self.tier2.first_call(entry, phase, args, kwargs, leaves, iteration=self.iteration,
                                          state_version=self.opt_state_version, sync=self._call_sync,
                                          require_sync=self.require_sync, ignored=self.ignored)
-        self.loop.mode = Mode.OWNED
+        self.loop.mode = Mode.OWNED  # tier 1: the whole iteration, warmed up, captured or replayed
         if phase == Phase.WARMUP:
             if not entry.first_seen_s:
                 entry.first_seen_s = time.perf_counter()
@@ -246,6 +244,25 @@ class Engine(EngineWiring, EngineState):
         if len(entry.replay_times) >= SELECT_REPLAYS:
             self.runner.select(entry, iteration=self.iteration)
         return self._hand_out(loss)
+
+    def _later_call(self, args: tuple, kwargs: dict):
+        """Another model call in the same optimizer step (gradient accumulation,
+        several forwards): the loop runs as written, as with DDP, its forward
+        and backward graphed when this step's first call was (tier 2)."""
+        self.loop.model_called(in_no_sync=not self.require_sync)
+        if self.tier2.step_entry is not None:
+            entry, leaves = self._guard_match(args, kwargs), None
+            if entry is None:
+                leaves, spec = _flatten((args, kwargs))
+                entry = self.cache.find(*self.ignored.signature(args, kwargs, leaves, spec),
+                                        autocast_state(self.device.type))
+            out = (self.tier2.forward(entry, leaves, iteration=self.iteration, sync=self._call_sync)
+                   if entry is not None else None)
+            if out is not None:
+                return out
+            if leaves is None:  # matched, but not replayed: the guard lets the call's tensors go
+                entry.guard.discard()
+        return self._user_forward(args, kwargs, probe=self._phase == Phase.PROBE)
 
     @timed("launch")
     def _replay_owned(self, entry: GraphEntry):

@@ -6,8 +6,11 @@ optimizer capturable (:mod:`~pygraph_dist.step.optim`), decides whether graphs a
 possible at all (:meth:`EngineWiring._why_no_graphs`), and builds the parts the
 step uses — the reducer, the :class:`~pygraph_dist.step.step.IterationStep`, the
 loop's state, the watchdog, the graph cache, the capture runner, tier 2's
-graphs, learned accumulation, evaluation graphs — each given the others it
-needs. The state of the step in flight is ``Engine.__init__``'s own.
+graphs and routing, the probe, learned accumulation, evaluation graphs — each
+given the parts and values it uses, none the engine itself (the optimizer and
+the clip router reach it through Protocols of its public members:
+``optim.StepOwner``, ``clip_route.ClipOwner``). The state of the step in
+flight is ``Engine.__init__``'s own, passed to the parts per call.
 
 :class:`EngineWiring` is a mixin of :class:`~pygraph_dist.engine.engine.Engine`; the
 attribute names it sets are the ones the rest of the package reads.
