@@ -33,7 +33,7 @@ Point = collections.namedtuple("Point", "x y")
 
 
 def _key(args, kwargs, ignored=()):
-    """graph_cache.lookup's key, with ``ignored`` positions masked as Engine._signature does."""
+    """graph_cache.lookup's key, with ``ignored`` positions masked as IgnoredArgs.signature does."""
     if ignored:
         args = tuple(IGNORED if i in ignored else a for i, a in enumerate(args))
     leaves, spec = pytree.tree_flatten((args, kwargs))
