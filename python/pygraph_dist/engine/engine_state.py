@@ -114,8 +114,6 @@ class EngineState:
         self.step.group = None
         self.runner.group = None
         self.accum.group = None
-        self.probe.group = None
-        self.tier2.group = None
         self.fp_backend = None
         self.runner.fp_backend = None
         self.optimizer.__dict__.pop("_pgd_engine", None)

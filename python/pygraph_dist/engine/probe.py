@@ -46,16 +46,15 @@ class Probe:
     """The engine's forward as written and the probe's verdict (``Engine.probe``)."""
 
     def __init__(self, step: IterationStep, loop: LoopState, runner: GraphRunner, cache: GraphCache, *,
-                 group, agree_device: torch.device, compiled: bool, graphs_possible: bool,
+                 agree_device: torch.device, compiled: bool, graphs_possible: bool,
                  graphs_reason: str) -> None:
-        """``group`` and ``agree_device``: where the verdict is agreed (``group``
-        is set to None at teardown); ``compiled``: torch.compile runs the forward
+        """``agree_device``: where the verdict is agreed, over the step's group
+        (``step.group``, None after teardown); ``compiled``: torch.compile runs the forward
         (no hooks that would make it recompile); why the model has no graphs, if so."""
         self.step = step
         self.loop = loop
         self.runner = runner
         self.cache = cache
-        self.group = group
         self.agree_device = agree_device
         self.compiled = compiled
         self.graphs_possible = graphs_possible
@@ -121,7 +120,7 @@ class Probe:
             ok=not violations,
             reason="; ".join(str(v) for v in unique),
             digests=[clip.digest() if clip is not None else 0, chain_digest(self.loop.loss_chain)],
-            group=self.group,
+            group=self.step.group,
             device=self.agree_device,
             explain=lambda everyone: "ranks clip differently (clip_grad_norm_'s max_norm or parameters) or "
                                      "scale the loss by different numbers before backward()",
@@ -133,7 +132,7 @@ class Probe:
             blocking = [v for v in unique if not v.split_ok]
             split = agreement.agree(
                 ok=not blocking, reason="; ".join(str(v) for v in blocking),
-                digests=[], group=self.group, device=self.agree_device,
+                digests=[], group=self.step.group, device=self.agree_device,
             )
             if split.agreed:
                 if self.graphs_possible and not self.loop.split_reason and self.step.rank == 0:

@@ -176,11 +176,11 @@ class EngineWiring:
         # tier 2: the loop's clip_grad_norm_ as a graph
         self.split_clip = SplitClip(self.step, self.runner, self.accum, clip_param_ids=self.clip_param_ids)
         self.reducer.on_views_moved = self.split_clip.release  # its graph read the old views
-        self.probe = Probe(self.step, self.loop, self.runner, self.cache, group=self.group,
+        self.probe = Probe(self.step, self.loop, self.runner, self.cache,
                            agree_device=self.agree_device, compiled=self.compiled,
                            graphs_possible=self.graphs_possible, graphs_reason=self.graphs_reason)
         self.tier2 = Tier2Router(self.split, self.step, self.loop, self.cache, self.runner, self.accum,
-                                 user_forward=self.probe.user_forward, group=self.group,
+                                 user_forward=self.probe.user_forward,
                                  agree_device=self.agree_device, loss_graphs=config.loss_graphs)
         self.evals = EvalGraphs(module, self.step, self.cache, self.runner, enabled=config.eval_graphs,
                                 graphs_possible=self.graphs_possible, graphs_reason=self.graphs_reason)

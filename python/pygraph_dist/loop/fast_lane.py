@@ -48,7 +48,7 @@ def build_guard(args: tuple, kwargs: dict, masked_leaves: list, static_leaves: l
     """An InputGuard accepting exactly the calls whose signature key is this
     call's, or None where the call's structure is not one it can walk.
     ``masked_leaves``: the call's leaves with ignored arguments as IGNORED
-    (Engine._signature); ``static_leaves``: the entry's static inputs, in the
+    (``IgnoredArgs.signature``); ``static_leaves``: the entry's static inputs, in the
     same order."""
     guard_cls = getattr(C, "InputGuard", None)
     if guard_cls is None:  # an extension built before input_guard.cpp

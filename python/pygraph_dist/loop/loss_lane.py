@@ -54,6 +54,8 @@ import weakref
 import torch
 import torch.utils._pytree as pytree
 
+from .amp import autocast_state
+
 _SIMPLE = (type(None), bool, int, float, str, slice, torch.dtype, torch.device, torch.layout,
            torch.memory_format, torch.Size, type(Ellipsis))
 _RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal", "uniform", "exponential")
@@ -109,10 +111,6 @@ def _tensors_of(result) -> list | None:
     if isinstance(result, (tuple, list)) and result and all(isinstance(r, torch.Tensor) for r in result):
         return list(result)
     return None
-
-
-def _autocast_state(device_type: str) -> tuple:
-    return (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
 
 
 def _owner(args, kwargs):
@@ -341,7 +339,7 @@ class Recorder:
         self.next_slot += len(tensors)
         self.versions.extend((weakref.ref(t), version(t)) for t in tensors)
         self.ops.append(TraceOp(func, spec, tuple(code), tuple(outs),
-                                _autocast_state(self.device.type) + (torch.is_grad_enabled(),)))
+                                autocast_state(self.device.type) + (torch.is_grad_enabled(),)))
         return rebuild(result, [track(t, self, s) for t, s in zip(tensors, outs)])
 
     def _finish(self, target, extra: bool) -> None:

@@ -46,10 +46,10 @@ class Tier2Router:
 
     def __init__(self, split: SplitGraphs, step: IterationStep, loop: LoopState, cache: GraphCache,
                  runner: GraphRunner, accum: LearnedAccumulation, *, user_forward: Callable,
-                 group, agree_device: torch.device, loss_graphs: bool) -> None:
+                 agree_device: torch.device, loss_graphs: bool) -> None:
         """``user_forward(args, kwargs, *, probe, sync, ignored)``: the loop as
-        written (probe.py); ``group`` and ``agree_device``: a check-mode replay's
-        comparison (``group`` is set to None at teardown); ``loss_graphs``:
+        written (probe.py); ``agree_device``: a check-mode replay's comparison,
+        over the step's group (``step.group``, None after teardown); ``loss_graphs``:
         ``wrap(loss_graphs=...)``, the loss lane."""
         self.split = split
         self.step = step
@@ -58,7 +58,6 @@ class Tier2Router:
         self.runner = runner
         self.accum = accum
         self.user_forward = user_forward
-        self.group = group
         self.agree_device = agree_device
         self.loss_graphs = loss_graphs
         self.step_entry: GraphEntry | None = None  # the entry whose forward graphs ran this step
@@ -97,7 +96,7 @@ class Tier2Router:
         elif entry.host_copies is not None and host_copies.check_due(entry):  # check mode: the step as written
             return host_copies.run_checked(
                 entry, as_written, cache=self.cache,
-                iteration=iteration, leaves=leaves, group=self.group, device=self.agree_device,
+                iteration=iteration, leaves=leaves, group=self.step.group, device=self.agree_device,
                 collective=True, rank=self.step.rank)
         out = self.forward(entry, leaves, iteration=iteration, sync=sync)
         return out if out is not None else as_written()
