@@ -34,6 +34,16 @@ EXIT_WITHIN_S = 10.0  # from a rank's last step to its process's end (issue 46)
 START_TIMEOUT_S = 240.0
 
 
+def _default_signals() -> None:
+    """In the child before exec: SIGINT and SIGTERM as a terminal's Ctrl-C and
+    torchrun find them. A test run in the background of a non-interactive shell
+    (``pytest ... &``, nohup, CI runners) ignores SIGINT, its children inherit
+    that, and Python then installs no KeyboardInterrupt handler: the script would
+    never see the Ctrl-C this test sends, and the test would wait out its limit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def run_end(end: str, init: str, out: Path, *, world: int = 2, cuda: bool, cycles: int = 2) -> list[dict]:
     """Launch the script's ranks, end them, and return per rank: rc, the
     seconds from its last step to its exit, its JSON and its log tail."""
@@ -51,7 +61,7 @@ def run_end(end: str, init: str, out: Path, *, world: int = 2, cuda: bool, cycle
         cmd = [sys.executable, str(SCRIPT), "--end", end, "--init", init, "--out", str(out),
                "--cycles", str(cycles)]
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                                       start_new_session=True), log))
+                                       start_new_session=True, preexec_fn=_default_signals), log))
     ended: dict[int, float] = {}
     deadline = time.monotonic() + START_TIMEOUT_S
     signalled = False
