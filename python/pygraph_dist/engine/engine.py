@@ -28,7 +28,8 @@ capture, replay, each a visible branch; a step's later calls:
 :meth:`Engine._later_call`), the hand-out, and the optimizer's ``step()``
 and ``zero_grad()``.
 
-The engine *has* its parts, each built in :mod:`~pygraph_dist.engine.wiring`
+The engine *has* its parts: each is built in
+:mod:`~pygraph_dist.engine.wiring` (:func:`~pygraph_dist.engine.wiring.build_parts`)
 and given only what it uses, none holding the engine: the reducer, the
 :class:`~pygraph_dist.step.step.IterationStep`, the graph cache and the
 :class:`~pygraph_dist.tiers.capture.GraphRunner` (tier 1), ``probe``
@@ -73,7 +74,7 @@ from ..runtime.spans import timed
 from ..step import clip_route
 from ..tiers.capture import SELECT_REPLAYS
 from .engine_state import TORN_DOWN, EngineState
-from .wiring import EngineWiring
+from .wiring import build_parts
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -93,12 +94,13 @@ def _hand_out_loss_py(loss: torch.Tensor) -> torch.Tensor:
 _hand_out_loss = getattr(C, "hand_out_loss", _hand_out_loss_py)
 
 
-class Engine(EngineWiring, EngineState):
+class Engine(EngineState):
     """One wrapped model and its optimizer: ``GraphedModule.__call__`` is
     :meth:`run`, the optimizer's ``step()`` and ``zero_grad()`` are
     :meth:`optimizer_step` and :meth:`optimizer_zero_grad`. The parts are
-    built by :meth:`~pygraph_dist.engine.wiring.EngineWiring._wire`;
-    ``EngineState`` holds the engine off the step (report, teardown)."""
+    built by :func:`~pygraph_dist.engine.wiring.build_parts` and held here,
+    each under its field's name; ``EngineState`` holds the engine off the
+    step (report, teardown)."""
 
     def __init__(
         self,
@@ -107,7 +109,49 @@ class Engine(EngineWiring, EngineState):
         config: WrapConfig,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        self._wire(module, optimizer, config, group)  # wiring.py: every part, built and connected
+        parts = build_parts(module, optimizer, config, group,  # wiring.py: every part, built and connected
+                            owner=self, owned_storages=self.owned_storages)
+        # What wrap() was given, and where the model is.
+        self.module = parts.module
+        self.optimizer = parts.optimizer
+        self.config = parts.config
+        self.group = parts.group  # None after teardown
+        self.rank = parts.rank
+        self.world_size = parts.world_size
+        self.device = parts.device
+        self.agree_device = parts.agree_device
+        self._frozen_at_wrap = parts.frozen_at_wrap
+        # What was decided at wrap time.
+        self.amp = parts.amp
+        self.opt_plan = parts.opt_plan  # made again when the optimizer's state is loaded
+        self.graphs_reason = parts.graphs_reason
+        self.graphs_possible = parts.graphs_possible
+        self.compile_user = parts.compile_user
+        self.compiled = parts.compiled
+        self.fp_backend = parts.fp_backend  # None after teardown
+        self.clip_param_ids = parts.clip_param_ids
+        # The parts.
+        self.reducer = parts.reducer
+        self.step = parts.step
+        self._release_stream = parts.release_stream
+        self.ignored = parts.ignored
+        self.varying = parts.varying
+        self.compile_stats = parts.compile_stats
+        self.loop = parts.loop
+        self.watchdog = parts.watchdog
+        self.cache = parts.cache
+        self.runner = parts.runner
+        self.split = parts.split
+        self.accum = parts.accum
+        self.split_clip = parts.split_clip
+        self.probe = parts.probe
+        self.tier2 = parts.tier2
+        self.evals = parts.evals
+        self._clear_grads = parts.clear_grads
+        # The parts' calls back into the engine's own state.
+        self.reducer.on_finalize = self._on_backward_finished
+        # Adopted views leave a released graph's pool (not at teardown: nothing trains after it).
+        self.cache.on_none_live = lambda: None if self.closed else self.reducer.restore_views()
         # The state of the step in flight, read and written by run() and optimizer_step().
         self._call_sync = True  # this model call's backward all-reduces (accumulation.py)
         self.iteration = 0  # optimizer steps begun (model calls that start a step)

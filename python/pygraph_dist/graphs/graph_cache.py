@@ -147,7 +147,7 @@ class GraphCache:
         self.events: list[Event] = []
         self.captured_any = False
         self._pool = None
-        self.on_none_live = None  # called when a release leaves no graph live (wiring.py)
+        self.on_none_live = None  # called when a release leaves no graph live (Engine.__init__)
 
     # ------------------------------------------------------------ lookup
     @timed("signature")

@@ -72,7 +72,7 @@ REGISTRY: dict[str, Patch] = {p.key: p for p in (
           "when AOTAutograd compiles (torch/_functorch/_aot_autograd/graph_compile.py, bw_donated_idxs) and "
           "at every backward (runtime_wrappers.py, _backward_impl: idxs None when compiled with it off), "
           "i.e. in the user's loss.backward(): a patch around the model call alone failed on torch 2.11",
-          "the value found set back, if the flag is still False", "wiring._wire",
+          "the value found set back, if the flag is still False", "wiring.build_parts",
           "config.patch(donated_buffer=False) around every compile and backward (unverified)"),
     Patch("dynamo.compile_callbacks", "process",
           "compiled._Timer's callbacks registered with torch._dynamo.callback.callback_handler",
