@@ -28,7 +28,7 @@ capture, replay, each a visible branch; a step's later calls:
 :meth:`Engine._later_call`), the hand-out, and the optimizer's ``step()``
 and ``zero_grad()``.
 
-The engine *has* its parts: each is built in
+The engine *has* its parts, and no base class: each part is built in
 :mod:`~pygraph_dist.engine.wiring` (:func:`~pygraph_dist.engine.wiring.build_parts`)
 and given only what it uses, none holding the engine: the reducer, the
 :class:`~pygraph_dist.step.step.IterationStep`, the graph cache and the
@@ -39,7 +39,10 @@ verdict), ``tier2`` (:class:`~pygraph_dist.tiers.split_calls.Tier2Router`),
 graphs). What changes per call (the iteration, the call's sync, the optimizer
 state's version) is passed to them per call. The optimizer and the clip
 router reach the engine through Protocols of its public members
-(``optim.StepOwner``, ``clip_route.ClipOwner``).
+(``optim.StepOwner``, ``clip_route.ClipOwner``). Off the step, the engine
+keeps its own lifecycle (``owned_storages`` for the monitor,
+``on_optimizer_state_loaded``, ``teardown``); its report is built by
+:func:`~pygraph_dist.engine.report.describe_model`.
 
 Numerics: warm-up, eager and replay run the same kernels in the same order,
 so graphed training is bitwise identical to the engine's eager mode
@@ -66,20 +69,22 @@ from ..loop.compiled import TIMER as COMPILE_TIMER
 from ..loop.config import WrapConfig
 from ..loop.conformance import LoopConformanceError, Mode, Stage  # noqa: F401 - Mode, Stage re-exported
 from ..loop.fast_lane import build_guard
-from ..loop.monitor import user_location
+from ..loop.monitor import storage_ptr, user_location
 from ..loop.outputs import hand_out_outputs
 from ..loop.param_groups import adopt_assigned_lrs
 from ..runtime._ext import C
 from ..runtime.spans import timed
 from ..step import clip_route
+from ..step.optim import prepare_optimizer
 from ..tiers.capture import SELECT_REPLAYS
-from .engine_state import TORN_DOWN, EngineState
+from .report import describe_model
 from .wiring import build_parts
 
 logger = logging.getLogger("pygraph_dist")
 
 Phase = C.Phase
 _BAKED = re.compile(r"param group (\d+): '([^']+)'")  # param_groups.hyperparams_drift's reasons
+TORN_DOWN = "pygraph_dist was torn down (destroy_process_group or exit)"
 _flatten = timed("signature")(pytree.tree_flatten)  # spans.py: identity unless PYGRAPH_DIST_HOST_SPANS=1
 
 
@@ -94,13 +99,13 @@ def _hand_out_loss_py(loss: torch.Tensor) -> torch.Tensor:
 _hand_out_loss = getattr(C, "hand_out_loss", _hand_out_loss_py)
 
 
-class Engine(EngineState):
+class Engine:
     """One wrapped model and its optimizer: ``GraphedModule.__call__`` is
     :meth:`run`, the optimizer's ``step()`` and ``zero_grad()`` are
     :meth:`optimizer_step` and :meth:`optimizer_zero_grad`. The parts are
     built by :func:`~pygraph_dist.engine.wiring.build_parts` and held here,
-    each under its field's name; ``EngineState`` holds the engine off the
-    step (report, teardown)."""
+    each under its field's name; off the step: :meth:`describe`,
+    :meth:`teardown`, :meth:`owned_storages`, :meth:`on_optimizer_state_loaded`."""
 
     def __init__(
         self,
@@ -514,3 +519,64 @@ class Engine(EngineState):
         if not self.loop.owned and not self._clear_grads(set_to_none):
             with self.loop.unwatched():  # zero_grad() itself is judged by zero_grad_called()
                 self.step.optimizer_class.zero_grad(self.optimizer, set_to_none)
+
+    # ==================================================== the engine off the step
+    def owned_storages(self) -> set[int]:
+        """Storages of parameters, gradient buckets, optimizer state and lr tensors
+        (``LoopState``'s monitor: not the user's)."""
+        # The views too: at world size 1 they may be a graph's gradients (grad_adoption.py).
+        tensors = list(self.reducer.params) + [b for b in self.reducer.buffers if b is not None]
+        tensors += [v for v in self.reducer.views if v is not None]
+        for state in self.optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        tensors += [t for t in self.opt_plan.lr_tensors if t is not None]
+        return {storage_ptr(t) for t in tensors} - {-1}
+
+    def on_optimizer_state_loaded(self, extra) -> None:
+        """``GraphedOptimizerMixin.load_state_dict``: the state tensors are new
+        objects, so the optimizer is prepared again and the graphs see a new version."""
+        self.opt_plan = prepare_optimizer(self.optimizer, device=self.device, amp=self.amp,
+                                          skip_nonfinite=self.config.skip_nonfinite,
+                                          sparse=bool(self.reducer.sparse_params))
+        if extra and self.grad_scaler is not None and "grad_scaler" in extra:
+            self.grad_scaler.load_state_dict(extra["grad_scaler"])
+        self.opt_state_version += 1
+
+    def describe(self):
+        """This model's :class:`~pygraph_dist.reports.reporting.ModelReport` (report.py)."""
+        return describe_model(
+            module=self.module, rank=self.rank, world_size=self.world_size, device=self.device,
+            config=self.config, amp=self.amp, opt_plan=self.opt_plan, graphs_possible=self.graphs_possible,
+            graphs_reason=self.graphs_reason, fp_backend=self.fp_backend, compile_stats=self.compile_stats,
+            compile_user=self.compile_user, loop=self.loop, step=self.step, reducer=self.reducer,
+            cache=self.cache, runner=self.runner, split=self.split, split_clip=self.split_clip,
+            accum=self.accum, probe=self.probe)
+
+    def teardown(self) -> None:
+        """Release every graph (and with it NCCL's references to the communicator).
+
+        Also drops the engine's hold on the process group and the cycles through
+        it (reducer hooks on the parameters, the optimizer's back-reference), so
+        that the group's C++ objects are destroyed when the process group is,
+        not during interpreter exit, where destroying them occasionally aborted
+        the process. The optimizer keeps working as a plain optimizer.
+        Caller: :mod:`~pygraph_dist.launch.lifetime`."""
+        if self.closed:
+            return
+        self.closed = True
+        self.watchdog.close()
+        self.loop.stop()
+        self.split_clip.release()
+        if self.cache.release_all(TORN_DOWN) and torch.cuda.is_available():
+            torch.cuda.synchronize(self.device)
+        if self._release_stream is not None:
+            self._release_stream()  # its graphs are destroyed: another model may capture on it
+        self.reducer.remove_hooks()
+        self.reducer.group = None
+        self.group = None
+        self.step.group = None
+        self.runner.group = None
+        self.accum.group = None
+        self.fp_backend = None
+        self.runner.fp_backend = None
+        self.optimizer.__dict__.pop("_pgd_engine", None)
