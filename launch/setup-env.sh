@@ -263,6 +263,12 @@ fi
 # The documentation build (tests/python/test_docs.py builds docs/ with warnings
 # as errors); without these that test is skipped, with the reason.
 if [ "${PGD_SETUP_TESTS:-0}" = 1 ]; then
+  # pytest-xdist: tests/run-all.sh runs the CPU tests in a few long-lived
+  # workers on a machine with few cores (without it: one pytest, slower).
+  need_xdist=$(missing xdist:pytest-xdist)
+  if [ -n "$need_xdist" ]; then
+    optional_install "$need_xdist" "the CPU tests run in one pytest process, not in parallel workers" $need_xdist
+  fi
   need_docs=$(missing sphinx:sphinx myst_parser:myst-parser)
   if [ -n "$need_docs" ]; then
     # shellcheck disable=SC2086

@@ -64,12 +64,30 @@ if [ "${PGD_SKIP_TWO_HOST:-0}" = 1 ]; then
 fi
 
 # Many cores and no pytest arguments: the CPU tests in parallel shards, then the
-# GPU tests alone (tests/run_sharded.py says why). PGD_TEST_JOBS=1: one pytest.
+# GPU tests alone (tests/run_sharded.py says why). Few cores (the 2-core CI
+# machine): the CPU tests in nproc+1 pytest-xdist workers, which live for the
+# whole run (each keeps its rank servers: tests/python/rank_server.py), then the
+# GPU tests alone. A CPU test's ranks often wait (rendezvous, a peer, a
+# subprocess's start), so one worker more than cores keeps the cores busy.
+# PGD_TEST_JOBS=1: one pytest.
 jobs="${PGD_TEST_JOBS:-$(( $(nproc) / 4 > 8 ? 8 : $(nproc) / 4 ))}"
+workers="${PGD_TEST_WORKERS:-$(( $(nproc) + 1 ))}"
 rc=0
 t=$SECONDS
 if [ "$#" -eq 0 ] && [ "$jobs" -gt 1 ]; then
   "$PY" tests/run_sharded.py --jobs "$jobs" || rc=$?
+elif [ "$#" -eq 0 ] && [ "${PGD_TEST_JOBS:-0}" != 1 ] && [ "$workers" -gt 1 ] \
+    && "$PY" -c "import xdist" 2>/dev/null; then
+  echo "== Python (pytest): CPU tests in $workers workers (PGD_TEST_WORKERS; one pytest: PGD_TEST_JOBS=1)" >&2
+  cpu_rc=0
+  "$PY" -m pytest tests/python -ra -n "$workers" --dist worksteal -m "not gpu and not multigpu" || cpu_rc=$?
+  [ $cpu_rc = 5 ] && cpu_rc=0  # no test selected
+  echo "== Python (pytest): GPU tests (-m 'gpu or multigpu'), alone" >&2
+  gpu_rc=0
+  "$PY" -m pytest tests/python -ra -m "gpu or multigpu" || gpu_rc=$?
+  [ $gpu_rc = 5 ] && gpu_rc=0
+  [ $cpu_rc = 0 ] || rc=$cpu_rc
+  [ $rc != 0 ] || rc=$gpu_rc
 else
   echo "== Python (pytest)" >&2
   "$PY" -m pytest tests/python -ra "$@" || rc=$?
