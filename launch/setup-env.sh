@@ -39,7 +39,9 @@ need=()
 command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
 command -v mpicc >/dev/null 2>&1 || need+=(libopenmpi-dev)
 [ -f /usr/include/gtest/gtest.h ] || need+=(libgtest-dev)
-extra=()  # only for the two-host tests: never pulls recommends
+extra=()  # only for the tests: never pulls recommends
+# ccache: a clone's builds (the extension, the CUDA compile check) reuse earlier compiles (CMakeLists.txt)
+[ "${PGD_SETUP_TESTS:-0}" = 1 ] && ! command -v ccache >/dev/null 2>&1 && extra+=(ccache)
 if [ "${PGD_SETUP_TESTS:-0}" = 1 ] && [ "${PGD_SKIP_TWO_HOST:-0}" = 1 ]; then
   say "PGD_SKIP_TWO_HOST=1: not installing what only the two-host tests use (iproute2, MPICH, Slurm, munge, MPICH's mpi4py)"
 elif [ "${PGD_SETUP_TESTS:-0}" = 1 ]; then
