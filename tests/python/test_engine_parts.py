@@ -77,14 +77,39 @@ def test_the_builder_reads_nothing_of_the_engine():
     assert not reads, "build_parts reads the engine:\n  " + "\n  ".join(reads)
 
 
-def test_the_engine_holds_every_part():
-    """Each field of EngineParts is taken by Engine.__init__ (``self.x = parts.x``), none left behind."""
-    from pygraph_dist.engine.wiring import EngineParts
+def holds_every_part():
+    """One rank: wrap a model and compare the engine's attributes with the parts it was built from."""
+    import torch
+    import torch.distributed as dist
 
-    init = next(n for n in ast.walk(ast.parse(ENGINE.read_text()))
-                if isinstance(n, ast.FunctionDef) and n.name == "__init__")
-    held = {n.attr for n in ast.walk(init)
-            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "parts"}
-    fields = {f.name for f in dataclasses.fields(EngineParts)}
-    assert held == fields, (f"EngineParts fields the engine does not take: {sorted(fields - held)}; "
-                            f"read but not fields: {sorted(held - fields)}")
+    import pygraph_dist as pgd
+    from pygraph_dist.engine import wiring
+
+    dist.init_process_group("gloo")
+    built = []
+    build_parts = wiring.build_parts
+
+    def recording(*args, **kwargs):
+        built.append(build_parts(*args, **kwargs))
+        return built[-1]
+
+    wiring.build_parts = recording
+    import pygraph_dist.engine.engine as engine_module
+
+    engine_module.build_parts = recording
+    model = torch.nn.Linear(4, 2)
+    wrapped, _ = pgd.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    engine, (parts,) = wrapped.engine, built
+    names = [f.name for f in dataclasses.fields(parts)]
+    held = {name: (("_" + name) if name in wiring.ENGINE_PRIVATE else name) for name in names}
+    missing = [a for n, a in held.items() if getattr(engine, a, None) is not getattr(parts, n)]
+    dist.destroy_process_group()  # releases the engine (pygraph_dist's shutdown hook)
+    return {"fields": len(names), "missing": missing, "private": sorted(a for a in held.values() if a[0] == "_")}
+
+
+def test_the_engine_holds_every_part(ranks):
+    """Each field of EngineParts is the engine's attribute of that name (``_name`` for the
+    three it keeps private), the very object the builder made: none left behind."""
+    (r,) = ranks("test_engine_parts:holds_every_part", world_size=1)
+    assert r["missing"] == [] and r["fields"] >= 30, r
+    assert r["private"] == ["_clear_grads", "_frozen_at_wrap", "_release_stream"], r

@@ -116,43 +116,10 @@ class Engine:
     ) -> None:
         parts = build_parts(module, optimizer, config, group,  # wiring.py: every part, built and connected
                             owner=self, owned_storages=self.owned_storages)
-        # What wrap() was given, and where the model is.
-        self.module = parts.module
-        self.optimizer = parts.optimizer
-        self.config = parts.config
-        self.group = parts.group  # None after teardown
-        self.rank = parts.rank
-        self.world_size = parts.world_size
-        self.device = parts.device
-        self.agree_device = parts.agree_device
-        self._frozen_at_wrap = parts.frozen_at_wrap
-        # What was decided at wrap time.
-        self.amp = parts.amp
-        self.opt_plan = parts.opt_plan  # made again when the optimizer's state is loaded
-        self.graphs_reason = parts.graphs_reason
-        self.graphs_possible = parts.graphs_possible
-        self.compile_user = parts.compile_user
-        self.compiled = parts.compiled
-        self.fp_backend = parts.fp_backend  # None after teardown
-        self.clip_param_ids = parts.clip_param_ids
-        # The parts.
-        self.reducer = parts.reducer
-        self.step = parts.step
-        self._release_stream = parts.release_stream
-        self.ignored = parts.ignored
-        self.varying = parts.varying
-        self.compile_stats = parts.compile_stats
-        self.loop = parts.loop
-        self.watchdog = parts.watchdog
-        self.cache = parts.cache
-        self.runner = parts.runner
-        self.split = parts.split
-        self.accum = parts.accum
-        self.split_clip = parts.split_clip
-        self.probe = parts.probe
-        self.tier2 = parts.tier2
-        self.evals = parts.evals
-        self._clear_grads = parts.clear_grads
+        # Each part and wrap-time fact under its field's name (EngineParts says
+        # what each is); frozen_at_wrap, release_stream and clear_grads as _private.
+        for name, value in parts.engine_attributes():
+            setattr(self, name, value)
         # The parts' calls back into the engine's own state.
         self.reducer.on_finalize = self._on_backward_finished
         # Adopted views leave a released graph's pool (not at teardown: nothing trains after it).

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
@@ -105,6 +105,15 @@ class EngineParts:
     tier2: Tier2Router
     evals: EvalGraphs
     clear_grads: ClearGrads
+
+    def engine_attributes(self):
+        """(the engine's attribute name, value) for every field: the field's name,
+        with ``_`` in front for the three the engine keeps private."""
+        for f in fields(self):
+            yield ("_" if f.name in ENGINE_PRIVATE else "") + f.name, getattr(self, f.name)
+
+
+ENGINE_PRIVATE = frozenset({"frozen_at_wrap", "release_stream", "clear_grads"})
 
 
 def build_parts(
