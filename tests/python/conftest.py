@@ -53,9 +53,9 @@ SLOWEST_FIRST = (
 )
 
 
-def _slow_rank(item) -> int:
-    nodeid = item.nodeid if item.nodeid.startswith("tests/") else f"tests/python/{item.nodeid}"
-    return next((i for i, prefix in enumerate(SLOWEST_FIRST) if nodeid.startswith(prefix)), len(SLOWEST_FIRST))
+def _slow_rank(item) -> int:  # node ids are relative to the repository root (pyproject.toml)
+    return next((i for i, prefix in enumerate(SLOWEST_FIRST) if item.nodeid.startswith(prefix)),
+                len(SLOWEST_FIRST))
 
 
 def pytest_collection_modifyitems(config, items):
