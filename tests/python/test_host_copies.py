@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -332,6 +333,80 @@ def test_other_threads_keep_torchs_factories():
     assert seen == [None]
 
 
+def test_integer_lists_and_host_masks_in_indexing_are_host_copies():
+    """falcon's ``fused_qkv[..., [-2], :]``: torch builds a list index on the
+    indexed tensor's device below the dispatch key, and moves a host index tensor
+    inside the kernel (autograd saving the host one for the backward's copy). In
+    a session each is moved by a copy at the indexing line, reads and writes, a
+    host boolean mask as its integer indices: the same indexing as torch's, and
+    the backward indexes with the moved tensors (no copy of its own)."""
+    w, e = watch(), Entry()
+    x = torch.zeros(2, 4, 3, device="meta", requires_grad=True)
+    mask = torch.tensor([True, False, True, True])
+
+    def fwd():
+        a = x[..., [-2]]  # LIST READ
+        b = x[:, mask]  # MASK READ
+        y = torch.zeros(2, 4, 3, device="meta")
+        y[[0, 1], [3, 0]] = 1.0  # LIST WRITE
+        (a.sum() + b.sum()).backward()
+        c = x[0, 1]  # basic indexing: no copy
+        return a, b, y, c
+
+    observe(w, e, fwd)
+    rec = e.host_copies
+    lines = {name: f"{HERE}:{_line_of(fwd, name)}" for name in ("# LIST READ", "# MASK READ", "# LIST WRITE")}
+    found = {(k.rsplit(os.sep, 1)[-1], n): c.buffer for (k, n), c in rec.copies.items()}
+    assert sorted(found) == sorted([(lines["# LIST READ"], 0), (lines["# MASK READ"], 0),
+                                    (lines["# LIST WRITE"], 0), (lines["# LIST WRITE"], 1)]), sorted(found)
+    assert found[(lines["# LIST READ"], 0)].tolist() == [-2]
+    assert found[(lines["# MASK READ"], 0)].tolist() == [0, 2, 3]  # the mask's integer indices
+    assert found[(lines["# LIST WRITE"], 1)].tolist() == [3, 0]
+    with hc.substituting(w, e):
+        a, b, y, c = fwd()
+    assert (a.shape, b.shape, y.shape, c.shape) == ((2, 4, 1), (2, 3, 3), (2, 4, 3), (3,))
+    assert "__getitem__" not in vars(torch.Tensor) and "__setitem__" not in vars(torch.Tensor)
+    # the legacy list of slices is a tuple to torch: left as it is
+    with hc.observing(w, Entry()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: a non-tuple sequence for multidimensional indexing
+        assert x[[slice(None), 1]].shape == x[:, 1].shape
+
+
+def test_moved_indices_index_as_torch_does():
+    """The rewritten index selects what torch's own indexing selects (CPU values)."""
+    from pygraph_dist.graphs import host_session
+
+    x = torch.arange(2 * 4 * 3 * 5).reshape(2, 4, 3, 5)
+    mask2 = torch.tensor([[True, False, True], [False, False, True], [True, True, False], [False, True, True]])
+    for index in ([1, 0], ..., (..., [-2], slice(None)), (slice(None), mask2), (torch.tensor([True, False]),),
+                  (slice(None), [3, 0], slice(None), [[1], [4]]), (torch.tensor([1, 1]), slice(None), [2, 0]),
+                  ([True, False],), (0, [[1, 2]], None)):
+        moved = host_session._device_index(index, torch.device("cpu"))
+        assert torch.equal(x[moved], x[index]), index
+        y, z = torch.zeros_like(x), torch.zeros_like(x)
+        y[moved], z[index] = 7, 7
+        assert torch.equal(y, z), index
+
+
+def test_transformers_takes_its_capture_branch_in_a_session():
+    """transformers skips an all-ones attention mask eagerly and builds it under
+    capture (is_tracing()); an observed warm-up must run what the capture runs."""
+    pytest.importorskip("transformers")
+    from transformers.utils import import_utils
+
+    original = import_utils.is_cuda_stream_capturing
+    w, e = watch(), Entry()
+    other = []
+    assert not import_utils.is_tracing()
+    with hc.observing(w, e):
+        assert import_utils.is_tracing()
+        t = threading.Thread(target=lambda: other.append(import_utils.is_tracing()))
+        t.start()
+        t.join()
+    assert other == [False]  # another thread is not in the session
+    assert not import_utils.is_tracing() and import_utils.is_cuda_stream_capturing is original
+
+
 # =============================================================== the engine's hooks
 PINNED = ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor "
           "is pinned")
@@ -357,6 +432,34 @@ def test_a_pageable_copy_at_capture_switches_the_watch_on_and_retries():
     # Observed and still a pageable copy: torch's reason, as it was.
     e.host_copies = hc.HostRecord(w, iterations=2)
     assert hc.capture_failed(w, e, err, "r", False) == ("r", False)
+
+
+def _torchscript_pageable_error() -> Exception:
+    """A pageable copy's error as TorchScript raises it (DeBERTa's make_log_bucket_position)."""
+    @torch.jit.script
+    def scripted(x: torch.Tensor, message: str):
+        if bool(x.sum() > 0):
+            raise RuntimeError(message)
+        return x
+
+    try:
+        scripted(torch.ones(1), PINNED)
+    except Exception as e:  # noqa: BLE001 - torch.jit.Error
+        return e
+    raise AssertionError("no error")
+
+
+def test_a_copy_inside_torchscript_says_so_and_what_to_set():
+    """Observed warm-ups and still a pageable copy inside torch.jit.script: the reason
+    quotes the wrapped error, not TorchScript's first line, and names PYTORCH_JIT=0."""
+    err = _torchscript_pageable_error()
+    assert str(err).startswith("The following operation failed in the TorchScript interpreter")
+    reason, retryable = describe_capture_error(err)
+    assert reason.startswith(f"RuntimeError: {PINNED}") and "(inside a TorchScript function)" in reason, reason
+    w, e = hc.HostWatch(enabled=True), Entry()
+    e.host_copies = hc.HostRecord(w, iterations=2)
+    reason, retryable = hc.capture_failed(w, e, err, reason, retryable)
+    assert not retryable and "PYTORCH_JIT=0" in reason and "torch.jit.script" in reason, reason
 
 
 def test_other_failures_and_a_disabled_watch_change_nothing():
@@ -614,9 +717,11 @@ class WordLM(nn.Module):
     check then reads the mask on the host). ``loss``: the module returns the loss
     (tier 1); otherwise the log-probabilities (the loop's loss: tier 2).
     ``step_tensor``: a host tensor made from the loop's step counter (``self.step``),
-    different every step; ``change_at``: the same host tensor, 0 until that step."""
+    different every step; ``change_at``: the same host tensor, 0 until that step;
+    ``list_index``: indexing with a Python list in forward."""
 
-    def __init__(self, vocab=50, width=32, heads=2, layers=2, loss=True, step_tensor=False, change_at=0):
+    def __init__(self, vocab=50, width=32, heads=2, layers=2, loss=True, step_tensor=False, change_at=0,
+                 list_index=False):
         super().__init__()
         self.emb = nn.Embedding(vocab, width)
         layer = nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.1)  # seq-first, as the example
@@ -624,6 +729,7 @@ class WordLM(nn.Module):
         self.head = nn.Linear(width, vocab)
         self.width, self.vocab, self.loss, self.step_tensor = width, vocab, loss, step_tensor
         self.change_at = change_at
+        self.list_index = list_index
         self.step = 0
 
     def forward(self, src, target=None):
@@ -634,6 +740,8 @@ class WordLM(nn.Module):
         if self.change_at:
             later = 0.01 if self.step >= self.change_at else 0.0
             h = h + torch.tensor([later]).to(src.device)  # LATER COPY
+        if self.list_index:  # falcon's fused_qkv[..., [-2], :]: a list index torch copies to the device
+            h = torch.cat([h[..., :-1], h[..., [-1]] * 0.5], dim=-1)  # LIST INDEX
         out = F.log_softmax(self.head(self.encoder(h, mask=mask)), dim=-1)
         if self.loss and target is not None:
             return F.nll_loss(out.view(-1, self.vocab), target.view(-1))
@@ -652,7 +760,7 @@ def _graph_rows(rep):
             for g in rep.graphs]
 
 
-def gpu_word_lm(tier=1, steps=16, step_tensor=0, evaluate=1, change_at=0, check_every=0):
+def gpu_word_lm(tier=1, steps=16, step_tensor=0, evaluate=1, change_at=0, check_every=0, list_index=0):
     """Train the word-language-model pattern graphed and with graphs=False (same
     seeds), then evaluate under no_grad (eval mode); parameters and evaluation
     outputs compared bit for bit. ``check_every``: PYGRAPH_DIST_CHECK_HOST_COPIES."""
@@ -668,7 +776,8 @@ def gpu_word_lm(tier=1, steps=16, step_tensor=0, evaluate=1, change_at=0, check_
     out = {}
     for graphs in (True, False):
         torch.manual_seed(0)
-        base = WordLM(loss=tier == 1, step_tensor=bool(step_tensor), change_at=change_at).to(dev)
+        base = WordLM(loss=tier == 1, step_tensor=bool(step_tensor), change_at=change_at,
+                      list_index=bool(list_index)).to(dev)
         model, opt = pgd.wrap(base, torch.optim.AdamW(base.parameters(), lr=1e-3), graphs=graphs,
                               select=False)
         torch.manual_seed(1)
@@ -725,6 +834,22 @@ def test_a_mask_copied_in_forward_is_graphed_bitwise(ranks, tier):
     captured = [e for e in g["events"] if e["event"] == "captured"]
     assert any("host-to-device cop" in e["detail"] and HERE in e["detail"] for e in captured), g["report"]
     assert any("host read" in e["detail"] for e in captured), g["report"]  # the encoder's causal check
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", [1, 2])
+def test_a_list_index_in_forward_is_graphed_bitwise(ranks, tier):
+    """x[..., [-1]] in forward (falcon's attention): the list's copy is graphed at
+    its line, in the forward and in the backward's index_put, bit for bit."""
+    (r,) = ranks("test_host_copies:gpu_word_lm", world_size=1, timeout=400,
+                 kwargs={"tier": tier, "list_index": 1, "evaluate": 1})
+    _assert_bitwise(r)
+    g = r["graphed"]
+    train = [x for x in g["graphs"] if x["tier"] != "eval"]
+    assert len(train) == 1 and train[0]["phase"] == "replay" and train[0]["replays"] >= 4, g["report"]
+    line = _line_of(WordLM.forward, "# LIST INDEX")
+    captured = [e for e in g["events"] if e["event"] == "captured"]
+    assert any(f"{HERE}:{line}" in e["detail"] for e in captured), g["report"]
 
 
 @pytest.mark.gpu

@@ -4,7 +4,14 @@ holds what the region copied and read; ``_HostMode`` (a ``TorchDispatchMode``)
 routes every host-to-device copy and every host read of a device value to it;
 ``torch.tensor``/``torch.as_tensor``/``Tensor.new_tensor`` are patched while a
 region is active (on its thread only), since they copy below the Python
-dispatch key otherwise.
+dispatch key otherwise, and so are ``Tensor.__getitem__``/``__setitem__``, whose
+integer lists (``x[..., [-2], :]``) and host index tensors torch copies to the
+device out of sight too.
+Hugging Face transformers, when loaded, takes the branch
+it takes under stream capture in every region, observed warm-ups too
+(``patches.transformers_capture_branch``): its masks are skipped eagerly after
+a host read of the attention mask, and built under capture, so a warm-up would
+otherwise never see the copies the capture makes.
 """
 
 from __future__ import annotations
@@ -292,6 +299,62 @@ def _patched_new_tensor(original):
     return new_tensor
 
 
+def _is_index_list(obj) -> bool:
+    """A list torch indexes with as one integer or boolean tensor (not the legacy
+    list of slices/None, which torch reads as a tuple)."""
+    if not isinstance(obj, list) or not obj:
+        return False
+    return all(isinstance(v, (int, bool)) or _is_index_list(v) for v in obj)
+
+
+def _moved(item, device) -> tuple:
+    """One index item as the device index tensors torch would make of it."""
+    if _is_index_list(item):
+        item = torch.tensor(item)  # on the host: the patched factory leaves a device-less one there
+    elif not _plain_host(item) or item.dim() == 0:  # a 0-dim host tensor indexes as a number
+        return (item,)
+    parts = item.nonzero().unbind(1) if item.dtype in (torch.bool, torch.uint8) else (item,)
+    return tuple(part.to(device) for part in parts)  # the copies the session sees, at the caller's line
+
+
+def _device_index(index, device):
+    """``index`` with its integer/boolean lists and host index tensors on ``device``.
+    torch copies them inside the indexing, from pageable memory and out of every
+    mode's sight (a list is built on the device below the dispatch key; a host
+    tensor is moved in the index kernel), and autograd saves the host tensor for
+    the backward's copy. Moved here, each is a host copy of the session at the
+    indexing line, and autograd saves the device tensor. A boolean mask becomes
+    its integer indices on the host first, as torch's kernel does
+    (``expandTensors``): the same indexing, the same integers."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not any(_is_index_list(i) or (_plain_host(i) and i.dim() > 0) for i in items):
+        return index
+    out = tuple(part for item in items for part in _moved(item, device))
+    return out if isinstance(index, tuple) or len(out) != 1 else out[0]
+
+
+def _patched_getitem(original):
+    def __getitem__(self, index):
+        s = _session()
+        if s is not None and self.device.type == s.device_type:
+            index = _device_index(index, self.device)
+        return original(self, index)
+
+    __getitem__.__wrapped__ = original
+    return __getitem__
+
+
+def _patched_setitem(original):
+    def __setitem__(self, index, value):
+        s = _session()
+        if s is not None and self.device.type == s.device_type:
+            index = _device_index(index, self.device)
+        return original(self, index, value)
+
+    __setitem__.__wrapped__ = original
+    return __setitem__
+
+
 _patch_lock = threading.Lock()
 _patch_depth = 0
 _swap: list = []  # the patches.Swap in place while sessions are active
@@ -308,7 +371,12 @@ def _patch() -> None:
         _swap[:] = [patches.Swap("host_tensor_factories", [
             (torch, "tensor", _patched_tensor(torch.tensor)),
             (torch, "as_tensor", _patched_as_tensor(torch.as_tensor)),
-            (torch.Tensor, "new_tensor", _patched_new_tensor(torch.Tensor.new_tensor))])]
+            (torch.Tensor, "new_tensor", _patched_new_tensor(torch.Tensor.new_tensor)),
+            (torch.Tensor, "__getitem__", _patched_getitem(torch.Tensor.__getitem__)),
+            (torch.Tensor, "__setitem__", _patched_setitem(torch.Tensor.__setitem__))])]
+        branch = patches.transformers_capture_branch(lambda: _session() is not None)
+        if branch is not None:
+            _swap.append(branch)
 
 
 def _unpatch() -> None:

@@ -84,10 +84,21 @@ REGISTRY: dict[str, Patch] = {p.key: p for p in (
           "recomputed dropout would draw other masks", "set back as stored when the capture ends",
           "capture_guard.capture_into"),
     Patch("host_tensor_factories", "region",
-          "torch.tensor, torch.as_tensor, torch.Tensor.new_tensor build on the host and copy, in a host session",
+          "torch.tensor, torch.as_tensor, torch.Tensor.new_tensor build on the host and copy, and "
+          "Tensor.__getitem__/__setitem__ index with host tensors for integer lists, in a host session",
           "a host tensor made in forward reaches the device by a copy a graph replays with old values "
-          "(host_copies.py); the factories build on the device out of a dispatch mode's sight",
-          "set back as stored (new_tensor, inherited from TensorBase, deleted)", "host_session._patch"),
+          "(host_copies.py); the factories and list indices (torch/csrc/autograd/python_variable_indexing.cpp"
+          ", sequenceToVariable) build on the device out of a dispatch mode's sight",
+          "set back as stored (new_tensor, __getitem__, __setitem__, inherited from TensorBase, deleted)",
+          "host_session._patch"),
+    Patch("transformers_capture_branch", "region",
+          "transformers.utils.import_utils.is_cuda_stream_capturing answers True on the thread of a host "
+          "session (host_session.py), when transformers is loaded",
+          "transformers' is_tracing() chooses another branch under stream capture: eagerly it skips an "
+          "all-ones attention mask after a host read, captured it builds the mask with a host tensor "
+          "(masking_utils.py, eager_mask: torch.tensor(0.0, device=...)); a warm-up must run what the "
+          "capture runs to record that copy (transformers 5.17, 5.24)",
+          "set back as stored when the last session ends", "host_session._patch"),
     Patch("warnings.sync_debug", "region",
           "torch.cuda.set_sync_debug_mode('warn'), warnings.simplefilter('always') in catch_warnings",
           "a CUDA probe names the lines that sync the host in the capture failure",
@@ -325,6 +336,21 @@ def is_higher_order_op(func) -> bool:
 
 # ------------------------------------------------------ region-scoped
 # (cuda.rng_state_calls and host_tensor_factories: a Swap at their site, undone as the block ends)
+def transformers_capture_branch(in_session: Callable[[], bool]) -> Swap | None:
+    """transformers' capture check answers True where ``in_session()`` (registry
+    ``transformers_capture_branch``); None when transformers is not loaded."""
+    module = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(module, "is_cuda_stream_capturing", None)
+    if original is None:
+        return None
+
+    def is_cuda_stream_capturing() -> bool:
+        return in_session() or original()
+
+    is_cuda_stream_capturing.__wrapped__ = original
+    return Swap("transformers_capture_branch", [(module, "is_cuda_stream_capturing", is_cuda_stream_capturing)])
+
+
 @contextlib.contextmanager
 def sync_debug_warnings() -> Iterator[list]:
     """Host syncs warn inside (every warning caught, once each site); yields the caught list."""
