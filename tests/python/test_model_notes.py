@@ -54,6 +54,34 @@ def test_other_attention_is_not_named(transformers_that_branches, args):
     assert capture_divergences(Decoder(*args)) == []
 
 
+def test_an_eager_attention_encoder_is_named(transformers_that_branches, monkeypatch):
+    """MPNet: an encoder whose library module builds bidirectional masks, with eager
+    attention; the same with SDPA, or a decoder, is not named."""
+    library = types.ModuleType("transformers.models.fake_encoder")
+    library.create_bidirectional_mask = lambda *a, **k: None
+    monkeypatch.setitem(sys.modules, library.__name__, library)
+
+    class EncoderLayer(Attention):
+        pass
+
+    EncoderLayer.__module__ = library.__name__
+
+    def encoder(impl, is_decoder=False):
+        m = Decoder("eager", 4, 4)
+        m.layers[0] = EncoderLayer(impl, 4, 4)
+        m.layers[0].config.is_decoder = is_decoder
+        return m
+
+    (note,) = capture_divergences(encoder("eager"))
+    assert note.startswith("EncoderLayer (transformers 5.17.0): graphed steps are not bitwise equal to "
+                           "graphs=False (close)"), note
+    assert "bidirectional attention mask" in note, note
+    assert capture_divergences(encoder("sdpa")) == []
+    assert capture_divergences(encoder("eager", is_decoder=True)) == []
+    monkeypatch.delattr(library, "create_bidirectional_mask")
+    assert capture_divergences(encoder("eager")) == []
+
+
 def test_transformers_that_does_not_branch_on_capture(transformers_that_branches, monkeypatch):
     monkeypatch.delattr(transformers_that_branches, "is_cuda_stream_capturing")
     assert capture_divergences(Decoder("sdpa", 4, 2)) == []

@@ -30,6 +30,7 @@ model.py:42 in forward()"``; ``reports.report_reasons.failure_where`` reads the
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -206,6 +207,23 @@ def site_text(site: Site | None) -> str:
     return text + (f" (from {site.user})" if site.user else "")
 
 
+TORCHSCRIPT_FAILED = "The following operation failed in the TorchScript interpreter"
+
+
+def first_line(error_text: str) -> str:
+    """The line a reason quotes of an error's ``"Type: message"``: its first, or for an
+    error raised inside a TorchScript function (``torch.jit.script``), whose first line
+    says only that, the error it wraps (the last ``...Error: ...`` line), marked so."""
+    lines = error_text.splitlines()
+    if not lines:
+        return ""
+    if TORCHSCRIPT_FAILED in lines[0]:
+        inner = [line for line in lines[1:] if re.match(r"^[\w.]*(Error|Exception): \S", line)]
+        if inner:
+            return f"{inner[-1].removeprefix('builtins.')[:400]} (inside a TorchScript function)"
+    return lines[0][:400]
+
+
 def describe_capture_error(error: BaseException | None) -> tuple[str, bool]:
     """(reason, retryable) for a local capture failure; the reason ends with the
     line that raised, when one is outside torch and pygraph_dist (:func:`site_text`)."""
@@ -219,7 +237,7 @@ def describe_capture_error(error: BaseException | None) -> tuple[str, bool]:
     # the error we catch may be capture_end's; the cause is in the chain.
     chain = [f"{type(e).__name__}: {e}".strip() for e in _exception_chain(error, 4)]
     text = "\n".join(chain)
-    first = chain[-1].splitlines()[0][:400] if chain else ""
+    first = first_line(chain[-1]) if chain else ""
     if NOT_CAPTURABLE_TAG in text:
         return first.replace(NOT_CAPTURABLE_TAG, "").strip() + at, False
     lowered = text.lower()

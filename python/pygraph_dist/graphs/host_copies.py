@@ -71,6 +71,7 @@ from .host_session import (  # noqa: F401 - HostTensorError and _session: part o
     _FIX, OBSERVE, SUBSTITUTE, VERIFY, HostTensorError, _active, _session, _Session,
 )
 from .host_values import difference, meta_of, same_value, staging_buffer, value_digest  # noqa: F401
+from .capture_guard import TORCHSCRIPT_FAILED
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -125,8 +126,12 @@ def capture_failed(watch: HostWatch | None, entry, error: BaseException | None, 
     if watch is None or not watch.enabled or error is None or not is_pageable_copy_error(error):
         return reason, retryable
     record = entry.host_copies
-    if record is not None and record.iterations:
-        return reason, retryable  # observed, and still a pageable copy: one this module does not see
+    if record is not None and record.iterations:  # observed, and still a pageable copy: one not seen
+        if TORCHSCRIPT_FAILED in str(error):
+            return (f"{reason}; a host tensor copied inside a TorchScript function (torch.jit.script) is "
+                    "out of pygraph_dist's sight: set PYTORCH_JIT=0 in the environment (before the model's "
+                    "library is imported) to run its scripted functions as Python, then it is graphed"), False
+        return reason, retryable
     watch.wanted = True
     entry.warmups = 0  # the engine then gives the retry at least one (observed) warm-up
     return (f"{reason}; the next warm-up iterations observe the host tensors copied in forward, to "
