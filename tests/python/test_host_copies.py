@@ -462,6 +462,59 @@ def test_a_copy_inside_torchscript_says_so_and_what_to_set():
     assert not retryable and "PYTORCH_JIT=0" in reason and "torch.jit.script" in reason, reason
 
 
+@torch.jit.script
+def _scripted_bucket(relative_pos: torch.Tensor, mid: int):
+    """DeBERTa-v2's make_log_bucket_position, in short: a host tensor copied in TorchScript."""
+    return torch.where(relative_pos < mid, torch.tensor(mid - 1).type_as(relative_pos), relative_pos)
+
+
+def _scripted_forward(x):
+    return _scripted_bucket(x, 2)  # SCRIPTED CALL
+
+
+def test_torchscript_drops_the_message_of_an_error_raised_through_a_mode():
+    """What DeBERTa's first capture meets on the GPU: the pageable copy's error, raised
+    while a Python dispatch mode of ours is active, leaves TorchScript as a bare
+    "RuntimeError:". Such a failure switches the watch on as a pageable copy does."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RefusesCopies(TorchDispatchMode):  # stands for CUDA's refusal under capture
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].device.type == "cpu":
+                raise RuntimeError(PINNED)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.zeros(3, dtype=torch.long, device="meta")
+    with pytest.raises(Exception) as info, RefusesCopies():
+        _scripted_forward(x)
+    err = info.value
+    assert str(err).startswith("The following operation failed in the TorchScript interpreter")
+    assert PINNED not in str(err) and not hc.is_pageable_copy_error(err)  # torch's behaviour, as measured
+    reason, retryable = describe_capture_error(err)
+    assert reason.startswith("RuntimeError inside a TorchScript function (TorchScript kept no message)"), reason
+    assert f"{HERE}:{_line_of(_scripted_forward, '# SCRIPTED CALL')}" in reason, reason
+    w, e = hc.HostWatch(enabled=True), Entry()
+    reason, retryable = hc.capture_failed(w, e, err, reason, retryable)
+    assert w.on and retryable and "as for a host tensor copied to the GPU inside it" in reason, reason
+    # observed, and failing so again: final, with what to set
+    e.host_copies = hc.HostRecord(w, iterations=2)
+    reason, retryable = hc.capture_failed(w, e, err, "r", True)
+    assert not retryable and "PYTORCH_JIT=0" in reason, reason
+
+
+def test_a_host_copy_inside_torchscript_is_graphed():
+    """The dispatch mode sees the copies TorchScript makes: observed at the line that
+    calls the scripted function, substituted at capture."""
+    w, e = watch(), Entry()
+    x = torch.zeros(3, dtype=torch.long, device="meta")
+    observe(w, e, lambda: _scripted_forward(x), times=3)
+    ((key, n),) = e.host_copies.copies
+    assert key.endswith(f"{HERE}:{_line_of(_scripted_forward, '# SCRIPTED CALL')}") and n == 0, key
+    with hc.substituting(w, e):
+        out = _scripted_forward(x)
+    assert out.shape == (3,) and out.device.type == "meta"
+
+
 def test_other_failures_and_a_disabled_watch_change_nothing():
     e = Entry()
     w = hc.HostWatch(enabled=True)

@@ -210,18 +210,41 @@ def site_text(site: Site | None) -> str:
 TORCHSCRIPT_FAILED = "The following operation failed in the TorchScript interpreter"
 
 
+_ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception):(.*)$")
+
+
+def _torchscript_inner(error_text: str) -> str | None:
+    """The last ``Type: message`` line of an error raised inside a TorchScript function
+    (``torch.jit.script``; its first line says only that), ``"Type:"`` when TorchScript
+    kept no message; None for other errors."""
+    lines = error_text.splitlines()
+    if not lines or TORCHSCRIPT_FAILED not in lines[0]:
+        return None
+    inner = [line.removeprefix("builtins.") for line in lines[1:] if _ERROR_LINE.match(line)]
+    return inner[-1].strip() if inner else ""
+
+
+def torchscript_without_message(error: BaseException | None) -> bool:
+    """An error inside a TorchScript function whose message TorchScript dropped, as it
+    does for an error raised through a Python dispatch mode (a pageable host copy under
+    pygraph_dist's own modes, for one)."""
+    for e in _exception_chain(error):
+        inner = _torchscript_inner(str(e))
+        if inner is not None and not _ERROR_LINE.match(inner).group(2).strip():
+            return True
+    return False
+
+
 def first_line(error_text: str) -> str:
     """The line a reason quotes of an error's ``"Type: message"``: its first, or for an
-    error raised inside a TorchScript function (``torch.jit.script``), whose first line
-    says only that, the error it wraps (the last ``...Error: ...`` line), marked so."""
-    lines = error_text.splitlines()
-    if not lines:
-        return ""
-    if TORCHSCRIPT_FAILED in lines[0]:
-        inner = [line for line in lines[1:] if re.match(r"^[\w.]*(Error|Exception): \S", line)]
-        if inner:
-            return f"{inner[-1].removeprefix('builtins.')[:400]} (inside a TorchScript function)"
-    return lines[0][:400]
+    error raised inside a TorchScript function the error it wraps, marked so."""
+    inner = _torchscript_inner(error_text)
+    if inner is None:
+        return error_text.splitlines()[0][:400] if error_text else ""
+    if not inner or not _ERROR_LINE.match(inner).group(2).strip():
+        kind = inner.rstrip(":") or "an error"
+        return f"{kind} inside a TorchScript function (TorchScript kept no message)"
+    return f"{inner[:400]} (inside a TorchScript function)"
 
 
 def describe_capture_error(error: BaseException | None) -> tuple[str, bool]:

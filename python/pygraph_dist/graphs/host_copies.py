@@ -71,7 +71,7 @@ from .host_session import (  # noqa: F401 - HostTensorError and _session: part o
     _FIX, OBSERVE, SUBSTITUTE, VERIFY, HostTensorError, _active, _session, _Session,
 )
 from .host_values import difference, meta_of, same_value, staging_buffer, value_digest  # noqa: F401
-from .capture_guard import TORCHSCRIPT_FAILED
+from .capture_guard import TORCHSCRIPT_FAILED, torchscript_without_message
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -123,28 +123,37 @@ def capture_failed(watch: HostWatch | None, entry, error: BaseException | None, 
     """``(reason, retryable)`` of a failed capture, seen by the host watch: a
     pageable host copy in a signature whose warm-ups were not observed switches
     the watch on and asks for another attempt, after observed warm-ups."""
-    if watch is None or not watch.enabled or error is None or not is_pageable_copy_error(error):
+    if watch is None or not watch.enabled or error is None:
+        return reason, retryable
+    pageable = is_pageable_copy_error(error)
+    # TorchScript drops the message of an error raised through a Python dispatch mode: DeBERTa's
+    # torch.tensor(...).type_as(...) in a scripted function fails so while a mode of ours is active.
+    silent = not pageable and torchscript_without_message(error)
+    if not (pageable or silent):
         return reason, retryable
     record = entry.host_copies
-    if record is not None and record.iterations:  # observed, and still a pageable copy: one not seen
-        if TORCHSCRIPT_FAILED in str(error):
+    if record is not None and record.iterations:  # observed, and still failing: a copy not seen
+        if any(TORCHSCRIPT_FAILED in str(e) for e in _chain(error)):
             return (f"{reason}; a host tensor copied inside a TorchScript function (torch.jit.script) is "
                     "out of pygraph_dist's sight: set PYTORCH_JIT=0 in the environment (before the model's "
                     "library is imported) to run its scripted functions as Python, then it is graphed"), False
         return reason, retryable
     watch.wanted = True
     entry.warmups = 0  # the engine then gives the retry at least one (observed) warm-up
-    return (f"{reason}; the next warm-up iterations observe the host tensors copied in forward, to "
+    why = ", as for a host tensor copied to the GPU inside it" if silent else ""
+    return (f"{reason}{why}; the next warm-up iterations observe the host tensors copied in forward, to "
             "graph them"), True
 
 
-def is_pageable_copy_error(error: BaseException) -> bool:
+def _chain(error: BaseException | None):
     e, seen = error, 0
     while e is not None and seen < 6:
-        if PAGEABLE_COPY_ERROR in str(e):
-            return True
+        yield e
         e, seen = e.__cause__ or e.__context__, seen + 1
-    return False
+
+
+def is_pageable_copy_error(error: BaseException) -> bool:
+    return any(PAGEABLE_COPY_ERROR in str(e) for e in _chain(error))
 
 
 def describe(entry) -> str:
