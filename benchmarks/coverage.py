@@ -476,7 +476,22 @@ def table(result: dict) -> str:
     lines.append("")
     for n, s in sorted(result.get("summary", {}).items(), key=lambda kv: int(kv[0])):
         lines.append(summary_text(int(n), s))
+    lines.extend(memory_notes(result["rows"]))
     return "\n".join(lines)
+
+
+def memory_notes(rows: list[dict]) -> list[str]:
+    """Per row over DDP + 10%: how much, and what pygraph_dist holds (the report's
+    graph-pool line, ``report(verbose=True)``; for a row that ran eagerly, its buckets)."""
+    over = [r for r in rows if r.get("status") == "ok" and r.get("mem_ratio", 0) > MEM_SLACK]
+    if not over:
+        return []
+    out = ["# over DDP+10%: peak reserved beyond DDP's, and what pygraph_dist's memory holds (report(verbose=True))"]
+    for r in over:
+        extra = (r["pgd_rsv_gib"] - r["ddp_rsv_gib"]) * 1024
+        held = r.get("pgd_pool_detail") or f"no graph (ran eagerly): {r.get('pgd_buckets') or 'its gradient buckets'}"
+        out.append(f"#   {r['model']} N={r['world_size']}: +{extra:.0f} MiB; {held}")
+    return out
 
 
 def finish(result: dict, out: Path, plots: bool = True) -> None:

@@ -115,6 +115,24 @@ def test_a_run_without_the_pgd_mode_judges_only_the_eager_one():
     assert "graphed (tier 1 or 2)" not in text and "graphs=False >= 0.98x DDP 0/1" in text, text
 
 
+def test_rows_over_ddps_memory_say_what_pygraph_dist_holds():
+    """Issue 47: a model over DDP + 10% names what the extra holds (the report's pool
+    line; the buckets of one that ran eagerly); one within it is not listed."""
+    from coverage import memory_notes
+
+    rows = [{"model": "small", "world_size": 2, "status": "ok", "mem_ratio": 1.2, "ddp_rsv_gib": 0.25,
+             "pgd_rsv_gib": 0.3, "pgd_pool_detail": "pool 204 MiB: 96 MiB kept by forward for backward"},
+            {"model": "eager", "world_size": 2, "status": "ok", "mem_ratio": 1.15, "ddp_rsv_gib": 0.25,
+             "pgd_rsv_gib": 0.29, "pgd_pool_detail": "", "pgd_buckets": "2 buckets, 14.8 MiB in all"},
+            {"model": "within", "world_size": 2, "status": "ok", "mem_ratio": 1.05, "ddp_rsv_gib": 1.0,
+             "pgd_rsv_gib": 1.05}]
+    head, small, eager = memory_notes(rows)
+    assert "over DDP+10%" in head
+    assert small == "#   small N=2: +51 MiB; pool 204 MiB: 96 MiB kept by forward for backward", small
+    assert eager == "#   eager N=2: +41 MiB; no graph (ran eagerly): 2 buckets, 14.8 MiB in all", eager
+    assert memory_notes(rows[2:]) == []
+
+
 # ----------------------------------------------------------------------- GPU
 def corpus_bitwise(model: str, steps: int = 16):
     """One corpus model trained ``steps`` steps with graphs and with graphs=False
