@@ -80,7 +80,9 @@ elif [ "$#" -eq 0 ] && [ "${PGD_TEST_JOBS:-0}" != 1 ] && [ "$workers" -gt 1 ] \
     && "$PY" -c "import xdist" 2>/dev/null; then
   echo "== Python (pytest): CPU tests in $workers workers (PGD_TEST_WORKERS; one pytest: PGD_TEST_JOBS=1)" >&2
   cpu_rc=0
-  "$PY" -m pytest tests/python -ra -n "$workers" --dist worksteal -m "not gpu and not multigpu" || cpu_rc=$?
+  # --durations: where the command's time goes, in every CI log (issue 48, item 6)
+  "$PY" -m pytest tests/python -ra -n "$workers" --dist worksteal -m "not gpu and not multigpu" \
+    --durations=25 || cpu_rc=$?
   [ $cpu_rc = 5 ] && cpu_rc=0  # no test selected
   echo "== Python (pytest): GPU tests (-m 'gpu or multigpu'), alone" >&2
   gpu_rc=0
