@@ -372,6 +372,30 @@ def test_integer_lists_and_host_masks_in_indexing_are_host_copies():
         assert x[[slice(None), 1]].shape == x[:, 1].shape
 
 
+def test_a_default_device_without_an_index_is_followed():
+    """torch.set_default_device("cuda"): torch.get_default_device() calls
+    torch.tensor([]) itself, which once recursed through the patched factory
+    until Python's limit. torch.tensor(...) without a device is a host copy to
+    the default device, and a boolean list still becomes its integer indices on
+    the host (on the device, nonzero would read it back)."""
+    w, e = watch(), Entry()
+    x = torch.zeros(4, 3, device="meta")
+
+    def fwd():
+        return x[[True, False, True, True]] * torch.tensor([0.5])  # BOOL LIST AND FACTORY
+
+    previous = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        observe(w, e, fwd)
+        with hc.substituting(w, e):
+            out = fwd()
+    finally:
+        torch.set_default_device(previous)
+    buffers = sorted(c.buffer.tolist() for c in e.host_copies.copies.values())
+    assert buffers == [[0, 2, 3], [0.5]] and out.shape == (3, 3) and out.device.type == "meta", buffers
+
+
 def test_moved_indices_index_as_torch_does():
     """The rewritten index selects what torch's own indexing selects (CPU values)."""
     from pygraph_dist.graphs import host_session

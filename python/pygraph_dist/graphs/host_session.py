@@ -244,16 +244,31 @@ def _session() -> _Session | None:
     return getattr(_local, "session", None)
 
 
-def _target(device, default) -> torch.device:
-    return torch.device(device) if device is not None else default
+def _target(device, default=None) -> torch.device:
+    """Where a factory call puts its tensor: ``device``, else ``default``, else torch's
+    default device. torch.get_default_device() itself calls torch.tensor([]) when the
+    default device has no index (set_default_device("cuda")); that call is torch's."""
+    if device is not None:
+        return torch.device(device)
+    if default is not None:
+        return default
+    _local.inner = True
+    try:
+        return torch.get_default_device()
+    finally:
+        _local.inner = False
+
+
+def _passes_through(s) -> bool:
+    return s is None or getattr(_local, "inner", False)
 
 
 def _patched_tensor(original):
     def tensor(data, *args, **kwargs):
         s = _session()
-        if s is None or args or isinstance(data, torch.Tensor):
+        if _passes_through(s) or args or isinstance(data, torch.Tensor):
             return original(data, *args, **kwargs)
-        target = _target(kwargs.get("device"), torch.get_default_device())
+        target = _target(kwargs.get("device"))
         if target.type != s.device_type:
             return original(data, *args, **kwargs)
         requires_grad = kwargs.pop("requires_grad", False)
@@ -269,9 +284,9 @@ def _patched_tensor(original):
 def _patched_as_tensor(original):
     def as_tensor(data, dtype=None, device=None):
         s = _session()
-        if s is None or isinstance(data, torch.Tensor):
+        if _passes_through(s) or isinstance(data, torch.Tensor):
             return original(data, dtype=dtype, device=device)
-        target = _target(device, torch.get_default_device())
+        target = _target(device)
         if target.type != s.device_type:
             return original(data, dtype=dtype, device=device)
         return original(data, dtype=dtype, device="cpu").to(target)
@@ -310,7 +325,7 @@ def _is_index_list(obj) -> bool:
 def _moved(item, device) -> tuple:
     """One index item as the device index tensors torch would make of it."""
     if _is_index_list(item):
-        item = torch.tensor(item)  # on the host: the patched factory leaves a device-less one there
+        item = torch.tensor(item, device="cpu")  # on the host, whatever the default device
     elif not _plain_host(item) or item.dim() == 0:  # a 0-dim host tensor indexes as a number
         return (item,)
     parts = item.nonzero().unbind(1) if item.dtype in (torch.bool, torch.uint8) else (item,)
@@ -368,6 +383,7 @@ def _patch() -> None:
         _patch_depth += 1
         if _patch_depth > 1:
             return
+        patches.settle_device_constructors()
         _swap[:] = [patches.Swap("host_tensor_factories", [
             (torch, "tensor", _patched_tensor(torch.tensor)),
             (torch, "as_tensor", _patched_as_tensor(torch.as_tensor)),

@@ -48,7 +48,7 @@ PRIVATE_NAMES = frozenset({
     "_push_on_torch_function_stack", "_len_torch_dispatch_stack", "_cuda_getCurrentStream", "_cuda_getDevice",
     "donated_buffer", "callback_handler", "_inductor", "_functorch", "HigherOrderOperator",
     "_per_optimizer_states", "_refresh_per_optimizer_state", "_step_supports_amp_scaling",
-    "set_sync_debug_mode"})
+    "set_sync_debug_mode", "_device_constructors"})
 
 REGISTRY: dict[str, Patch] = {p.key: p for p in (
     Patch("clip_grad_norm_", "process",
@@ -138,6 +138,12 @@ REGISTRY: dict[str, Patch] = {p.key: p for p in (
     Patch("cuda.current_stream_key", "read", "torch._C._cuda_getCurrentStream(torch._C._cuda_getDevice())",
           "tier 2 compares the current stream per call without building a Stream", "", "split.py",
           "torch.cuda.current_stream() (a Python object per call)"),
+    Patch("device_constructors", "read",
+          "torch.utils._device._device_constructors() called once before a host session patches torch.tensor",
+          "torch.set_default_device's mode recognises factories by identity, from a set it builds on first use "
+          "(functools.lru_cache); built while torch.tensor is host_session's function, the set would hold "
+          "that function and torch's own torch.tensor would ignore the default device for good",
+          "", "host_session._patch"),
     Patch("compile_internals", "read", "torch._inductor.config.triton.cudagraphs, torch._ops.HigherOrderOperator",
           "a process-wide inductor setting decides whether compile= switches graphs off; a host session "
           "cannot follow a higher-order op's body", "", "compiled.py, host_session.py"),
@@ -336,6 +342,16 @@ def is_higher_order_op(func) -> bool:
 
 # ------------------------------------------------------ region-scoped
 # (cuda.rng_state_calls and host_tensor_factories: a Swap at their site, undone as the block ends)
+def settle_device_constructors() -> None:
+    """torch's set of factories that follow the default device, built now from torch's
+    own functions, before any is patched (registry ``device_constructors``)."""
+    import torch.utils._device as device_module
+
+    build = getattr(device_module, "_device_constructors", None)
+    if build is not None:
+        build()
+
+
 def transformers_capture_branch(in_session: Callable[[], bool]) -> Swap | None:
     """transformers' capture check answers True where ``in_session()`` (registry
     ``transformers_capture_branch``); None when transformers is not loaded."""
