@@ -49,7 +49,7 @@ class BucketCaptureError(RuntimeError):
         self.bucket = bucket
 
 
-def _exception_chain(error: BaseException | None, limit: int = 6):
+def exception_chain(error: BaseException | None, limit: int = 6):
     e, seen = error, 0
     while e is not None and seen < limit:
         yield e
@@ -58,7 +58,7 @@ def _exception_chain(error: BaseException | None, limit: int = 6):
 
 def _bucket_error(error: BaseException | None) -> BucketCaptureError | None:
     """The BucketCaptureError in ``error``'s chain, if a bucket's all-reduce caused it."""
-    return next((e for e in _exception_chain(error) if isinstance(e, BucketCaptureError)), None)
+    return next((e for e in exception_chain(error) if isinstance(e, BucketCaptureError)), None)
 
 
 class GraphUnsafeRNGError(RuntimeError):
@@ -188,7 +188,7 @@ def error_site(error: BaseException | None) -> Site | None:
     that led there), or None when every frame is torch's or ours. The chain is
     read from its root cause out: ``torch.cuda.graph``'s exit raises capture_end's
     error from our own frames, with the body's error (the line) as its context."""
-    for e in reversed(list(_exception_chain(error, 4))):
+    for e in reversed(list(exception_chain(error, 4))):
         frames, outer = _traceback_frames(e.__traceback__)
         # Beyond the traceback, the callers still on the stack (the user's loop
         # around the wrapped call) name the user's line after a framework's.
@@ -213,26 +213,26 @@ TORCHSCRIPT_FAILED = "The following operation failed in the TorchScript interpre
 _ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception):(.*)$")
 
 
-def _torchscript_inner(error_text: str) -> str | None:
-    """The last ``Type: message`` line of an error raised inside a TorchScript function
-    (``torch.jit.script``; its first line says only that), ``"Type:"`` when TorchScript
-    kept no message; None for other errors."""
+def _torchscript_inner(error_text: str) -> tuple[str, str] | None:
+    """``(type, message)`` of the error an error raised inside a TorchScript function
+    (``torch.jit.script``; its first line says only that) wraps: its last ``Type:
+    message`` line, the message "" when TorchScript kept none (the type "" without
+    such a line); None for other errors."""
     lines = error_text.splitlines()
     if not lines or TORCHSCRIPT_FAILED not in lines[0]:
         return None
-    inner = [line.removeprefix("builtins.") for line in lines[1:] if _ERROR_LINE.match(line)]
-    return inner[-1].strip() if inner else ""
+    inner = [m for m in map(_ERROR_LINE.match, lines[1:]) if m]
+    if not inner:
+        return "", ""
+    kind, message = inner[-1].group(0).split(":", 1)
+    return kind.removeprefix("builtins."), message.strip()
 
 
 def torchscript_without_message(error: BaseException | None) -> bool:
     """An error inside a TorchScript function whose message TorchScript dropped, as it
     does for an error raised through a Python dispatch mode (a pageable host copy under
     pygraph_dist's own modes, for one)."""
-    for e in _exception_chain(error):
-        inner = _torchscript_inner(str(e))
-        if inner is not None and not _ERROR_LINE.match(inner).group(2).strip():
-            return True
-    return False
+    return any((inner := _torchscript_inner(str(e))) is not None and not inner[1] for e in exception_chain(error))
 
 
 def first_line(error_text: str) -> str:
@@ -241,10 +241,10 @@ def first_line(error_text: str) -> str:
     inner = _torchscript_inner(error_text)
     if inner is None:
         return error_text.splitlines()[0][:400] if error_text else ""
-    if not inner or not _ERROR_LINE.match(inner).group(2).strip():
-        kind = inner.rstrip(":") or "an error"
-        return f"{kind} inside a TorchScript function (TorchScript kept no message)"
-    return f"{inner[:400]} (inside a TorchScript function)"
+    kind, message = inner
+    if not message:
+        return f"{kind or 'an error'} inside a TorchScript function (TorchScript kept no message)"
+    return f"{kind}: {message}"[:400] + " (inside a TorchScript function)"
 
 
 def describe_capture_error(error: BaseException | None) -> tuple[str, bool]:
@@ -258,7 +258,7 @@ def describe_capture_error(error: BaseException | None) -> tuple[str, bool]:
         return f"{bucket_error}{at}", True
     # torch.cuda.graph.__exit__ ends the capture even when the body raised, so
     # the error we catch may be capture_end's; the cause is in the chain.
-    chain = [f"{type(e).__name__}: {e}".strip() for e in _exception_chain(error, 4)]
+    chain = [f"{type(e).__name__}: {e}".strip() for e in exception_chain(error, 4)]
     text = "\n".join(chain)
     first = first_line(chain[-1]) if chain else ""
     if NOT_CAPTURABLE_TAG in text:

@@ -71,7 +71,7 @@ from .host_session import (  # noqa: F401 - HostTensorError and _session: part o
     _FIX, OBSERVE, SUBSTITUTE, VERIFY, HostTensorError, _active, _session, _Session,
 )
 from .host_values import difference, meta_of, same_value, staging_buffer, value_digest  # noqa: F401
-from .capture_guard import TORCHSCRIPT_FAILED, torchscript_without_message
+from .capture_guard import TORCHSCRIPT_FAILED, exception_chain, torchscript_without_message
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -133,7 +133,7 @@ def capture_failed(watch: HostWatch | None, entry, error: BaseException | None, 
         return reason, retryable
     record = entry.host_copies
     if record is not None and record.iterations:  # observed, and still failing: a copy not seen
-        if any(TORCHSCRIPT_FAILED in str(e) for e in _chain(error)):
+        if any(TORCHSCRIPT_FAILED in str(e) for e in exception_chain(error)):
             return (f"{reason}; a host tensor copied inside a TorchScript function (torch.jit.script) is "
                     "out of pygraph_dist's sight: set PYTORCH_JIT=0 in the environment (before the model's "
                     "library is imported) to run its scripted functions as Python, then it is graphed"), False
@@ -145,15 +145,8 @@ def capture_failed(watch: HostWatch | None, entry, error: BaseException | None, 
             "graph them"), True
 
 
-def _chain(error: BaseException | None):
-    e, seen = error, 0
-    while e is not None and seen < 6:
-        yield e
-        e, seen = e.__cause__ or e.__context__, seen + 1
-
-
 def is_pageable_copy_error(error: BaseException) -> bool:
-    return any(PAGEABLE_COPY_ERROR in str(e) for e in _chain(error))
+    return any(PAGEABLE_COPY_ERROR in str(e) for e in exception_chain(error))
 
 
 def describe(entry) -> str:

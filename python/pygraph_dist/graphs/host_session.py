@@ -348,26 +348,17 @@ def _device_index(index, device):
     return out if isinstance(index, tuple) or len(out) != 1 else out[0]
 
 
-def _patched_getitem(original):
-    def __getitem__(self, index):
+def _patched_indexing(original):
+    """``Tensor.__getitem__(self, index)`` or ``__setitem__(self, index, value)``."""
+    def indexing(self, index, *value):
         s = _session()
         if s is not None and self.device.type == s.device_type:
             index = _device_index(index, self.device)
-        return original(self, index)
+        return original(self, index, *value)
 
-    __getitem__.__wrapped__ = original
-    return __getitem__
-
-
-def _patched_setitem(original):
-    def __setitem__(self, index, value):
-        s = _session()
-        if s is not None and self.device.type == s.device_type:
-            index = _device_index(index, self.device)
-        return original(self, index, value)
-
-    __setitem__.__wrapped__ = original
-    return __setitem__
+    indexing.__name__ = original.__name__
+    indexing.__wrapped__ = original
+    return indexing
 
 
 _patch_lock = threading.Lock()
@@ -388,8 +379,8 @@ def _patch() -> None:
             (torch, "tensor", _patched_tensor(torch.tensor)),
             (torch, "as_tensor", _patched_as_tensor(torch.as_tensor)),
             (torch.Tensor, "new_tensor", _patched_new_tensor(torch.Tensor.new_tensor)),
-            (torch.Tensor, "__getitem__", _patched_getitem(torch.Tensor.__getitem__)),
-            (torch.Tensor, "__setitem__", _patched_setitem(torch.Tensor.__setitem__))])]
+            (torch.Tensor, "__getitem__", _patched_indexing(torch.Tensor.__getitem__)),
+            (torch.Tensor, "__setitem__", _patched_indexing(torch.Tensor.__setitem__))])]
         branch = patches.transformers_capture_branch(lambda: _session() is not None)
         if branch is not None:
             _swap.append(branch)
