@@ -26,6 +26,18 @@ RANK_MAIN = Path(__file__).with_name("rank_main.py")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+# torch's stock Gloo aborting a DDP reference at exit: a pt_gloo_runloop worker
+# releasing a finished Work's Python objects while the interpreter finalizes
+# (libstdc++'s own words, and pygraph_dist's terminate handler's when it is
+# imported). Only torch DDP controls may be excused for it, with a warning.
+STOCK_GLOO_EXIT_ABORTS = ("terminate called without an active exception",
+                          "std::terminate in thread 'pt_gloo_runloop'")
+
+
+def stock_gloo_exit_abort(log: str) -> bool:
+    return any(s in log for s in STOCK_GLOO_EXIT_ABORTS)
+
+
 def cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 

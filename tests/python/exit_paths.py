@@ -35,6 +35,7 @@ The ends (``ENDS``: the exit status each rank should have):
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -142,6 +143,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cycles", type=int, default=2, help="reinit: process group lifetimes")
     args = ap.parse_args()
+    # The test sends SIGUSR1 to a rank that did not end in time: every thread's stack, to its log.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.init == "ddp" and args.end == "subgroup_destroy":
         ap.error("--init ddp has no engines to check for subgroup_destroy")
 

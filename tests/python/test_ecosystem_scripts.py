@@ -32,10 +32,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, RankFailure, child_env, free_port
+from conftest import ROOT, RankFailure, child_env, free_port, stock_gloo_exit_abort
 
 SCRIPTS = ROOT / "examples" / "scripts"
-_STOCK_GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 # Small shapes, so that a CPU run of each script takes seconds.
 GPT_SMALL = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "8",
@@ -97,7 +96,7 @@ def run_script(script: str, args: list[str], out_dir: Path, *, world_size: int, 
     if any(p.returncode != 0 for p, _ in procs):
         done = all((out_dir / f"result_rank{r}.json").exists() for r in range(world_size))
         ddp_control = "--mode" in args and args[args.index("--mode") + 1] == "ddp"
-        if not (ddp_control and done and _STOCK_GLOO_EXIT_ABORT in logs):
+        if not (ddp_control and done and stock_gloo_exit_abort(logs)):
             raise RankFailure(f"{script} {' '.join(args)}: exit codes {[p.returncode for p, _ in procs]}\n{logs}")
         # The DDP control over the script's own init_process_group("gloo"):
         # torch's DDP issues its all-reduces from backward through torch's stock

@@ -47,6 +47,7 @@ import atexit
 import itertools
 import logging
 import os
+import sys
 import threading
 import weakref
 from typing import Any, Protocol
@@ -138,7 +139,7 @@ def _abort_groups(engines: list) -> None:
         group = getattr(engine, "group", None)
         if group is not None and not any(_same_group(group, g) for g in groups):
             groups.append(group)
-    logger.error(
+    _error(
         "rank %s: work queued on the GPU did not finish within %.0f s of teardown: it waits for "
         "a collective that another rank never launched (that rank was interrupted or died). "
         "Aborting %d communicator(s) so that this process can end; the last step's update may "
@@ -149,7 +150,28 @@ def _abort_groups(engines: list) -> None:
             group.abort()
         except Exception:  # noqa: BLE001 - best effort: the exit must go on
             logger.warning("aborting the process group failed", exc_info=True)
-    _drain(drain_seconds())
+    if not _drain(drain_seconds()):
+        _error("rank %s: the GPU's queued work still did not finish %.0f s after the abort.",
+               _rank(), drain_seconds())
+
+
+def _error(msg: str, *args) -> None:
+    """An error at teardown, which the user must see: to the ``pygraph_dist``
+    logger, and to stderr as well where logging is not configured (the package's
+    NullHandler would otherwise swallow it, as it does the last resort)."""
+    logger.error(msg, *args)
+    if not _configured(logger):
+        print(f"pygraph_dist: {msg % args}", file=sys.stderr, flush=True)
+
+
+def _configured(log: logging.Logger) -> bool:
+    """Whether a record of ``log`` reaches a handler other than a NullHandler."""
+    node: logging.Logger | None = log
+    while node is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in node.handlers):
+            return True
+        node = node.parent if node.propagate else None
+    return False
 
 
 def _rank() -> str:
