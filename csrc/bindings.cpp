@@ -19,8 +19,11 @@
 #include <pthread.h>
 
 #include <chrono>
+#include <memory>
+#include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 
 #ifdef PGD_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
@@ -260,6 +263,26 @@ void bind_backend(py::module_& m) {
   // torch's ProcessGroup bindings release it; the argument casters, which hold
   // the caller's tensors, are destroyed with it held.
   using gil_release = py::call_guard<py::gil_scoped_release>;
+  // The exit teardown's abort (python/pygraph_dist/launch/lifetime.py): bounded,
+  // because ncclCommAbort can block for good while a graph waits on the
+  // communicator for a peer that exited.
+  m.def(
+      "abort_group_within",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg, double wait_s) {
+        auto error = std::make_shared<std::string>();
+        const bool returned = call_within(
+            [pg, error] {
+              try {
+                pg->abort();
+              } catch (const std::exception& e) {
+                *error = e.what();
+              }
+            },
+            wait_s);
+        return std::make_pair(returned, returned ? *error : std::string());
+      },
+      py::arg("group"), py::arg("wait_s"), py::call_guard<py::gil_scoped_release>(),
+      "group.abort() on a native thread, waiting at most wait_s: (returned in time, its error or '').");
   m.def("python_free_allreduce", &python_free_allreduce, py::arg("group"), py::arg("tensors"),
         py::arg("opts"), gil_release(),
         "group.allreduce(tensors, opts), its Work holding no Python object.");

@@ -329,19 +329,8 @@ void ReplayWatchdog::State::fire(const core::ReplayVerdict& verdict) {
                   "[pygraph_dist watchdog] aborting the communicator (%s), waiting at most %.1f s\n",
                   opts.abort_backend->getBackendName().c_str(), opts.abort_wait_s);
     write_all(buf);
-    auto done = std::make_shared<std::atomic<bool>>(false);
-    std::thread([backend = opts.abort_backend, done] {
-      try {
-        backend->abort();
-      } catch (...) {
-      }
-      done->store(true);
-    }).detach();
-    const double deadline = mono_now() + opts.abort_wait_s;
-    while (!done->load() && mono_now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    write_all(done->load() ? "[pygraph_dist watchdog] communicator aborted\n"
+    const bool aborted = call_within([backend = opts.abort_backend] { backend->abort(); }, opts.abort_wait_s);
+    write_all(aborted ? "[pygraph_dist watchdog] communicator aborted\n"
                            : "[pygraph_dist watchdog] the abort did not return in time\n");
   }
   std::fflush(stdout);
@@ -528,5 +517,21 @@ double ReplayWatchdog::poll_s() const { return state_->poll_s; }
 double ReplayWatchdog::heartbeat_s() const { return state_->heartbeat_s; }
 
 bool ReplayWatchdog::python_stacks_available() { return python_stack_dumper() != nullptr; }
+
+bool call_within(std::function<void()> fn, double wait_s) {
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  std::thread([fn = std::move(fn), done] {
+    try {
+      fn();
+    } catch (...) {
+    }
+    done->store(true);
+  }).detach();
+  const double deadline = mono_now() + wait_s;
+  while (!done->load() && mono_now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return done->load();
+}
 
 }  // namespace pgd

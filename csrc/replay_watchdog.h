@@ -27,6 +27,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -59,6 +60,13 @@ struct ReplayWatchdogOptions {
   c10::intrusive_ptr<c10d::Backend> abort_backend;
   double abort_wait_s = 0.0;
 };
+
+// Runs fn (an abort: ncclCommAbort can block, e.g. while a CUDA graph that
+// references the communicator waits for a peer that is gone) on a detached
+// native thread and waits at most wait_s for it, without the GIL. True when it
+// returned in time; otherwise the thread is left behind and the caller decides
+// (the watchdog and the exit teardown both end the process).
+bool call_within(std::function<void()> fn, double wait_s);
 
 class ReplayWatchdog {
  public:

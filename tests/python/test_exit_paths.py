@@ -301,19 +301,18 @@ def test_a_group_still_shuts_down_after_the_hook_came_and_went():
 
 def test_teardown_aborts_each_group_once_and_says_so_without_logging_configured(monkeypatch, capsys):
     """Queued work that does not drain (a peer never launched its collective):
-    each distinct group is aborted once, every engine is still torn down, and the
-    error reaches stderr although the package's logger has only its NullHandler
-    (a silent abort at exit left a hung rank's log saying nothing)."""
+    each distinct group is aborted once, bounded, every engine is then torn down,
+    and the error reaches stderr although the package's logger has only its
+    NullHandler (a hung rank's log said nothing). An abort that does not return,
+    or a device still busy after it, ends the process with what happened: the
+    teardown and torch's exit handlers would otherwise wait for ever."""
     import logging
 
     from pygraph_dist.launch import lifetime
 
     class Group:
         def __init__(self, name):
-            self.group_name, self.aborts = name, 0
-
-        def abort(self):
-            self.aborts += 1
+            self.group_name = name
 
     class Engine:
         closed = False
@@ -324,18 +323,56 @@ def test_teardown_aborts_each_group_once_and_says_so_without_logging_configured(
         def teardown(self):
             self.torn = True
 
+    class Ended(Exception):
+        pass
+
+    def exit_now(code):
+        raise Ended(code)
+
+    def drains(*results):  # _drain's answers, in order
+        it = iter(results)
+        return lambda seconds: next(it)
+
+    aborted = []
     world, sub = Group("0"), Group("1")
     engines = [Engine(world), Engine(Group("0")), Engine(sub)]  # two handles of one group
-    drains = []
-    monkeypatch.setattr(lifetime, "_drain", lambda s: drains.append(s) and False)
+    monkeypatch.setattr(lifetime, "_abort_within", lambda g, s: aborted.append(g) or (True, ""))
+    monkeypatch.setattr(lifetime, "_drain", drains(False, True))
+    monkeypatch.setattr(lifetime.os, "_exit", exit_now)
     for node in (logging.getLogger("pygraph_dist"), logging.getLogger()):
         monkeypatch.setattr(node, "handlers", [h for h in node.handlers if isinstance(h, logging.NullHandler)])
     lifetime._release(engines)  # noqa: SLF001
     err = capsys.readouterr().err
-    assert (world.aborts, engines[1].group.aborts, sub.aborts) == (1, 0, 1)
-    assert all(e.torn for e in engines) and len(drains) == 2
-    assert "Aborting 2 communicator(s)" in err and "still did not finish" in err, err
+    assert aborted == [world, sub] and all(e.torn for e in engines)
+    assert "Aborting 2 communicator(s)" in err, err
+
+    for abort, drain, said in (((False, ""), True, "did not return within"),
+                               ((True, "no abort here"), False, "still did not finish")):
+        monkeypatch.setattr(lifetime, "_abort_within", lambda g, s, a=abort: a)
+        monkeypatch.setattr(lifetime, "_drain", drains(False, drain))
+        engine = Engine(Group("2"))
+        with pytest.raises(Ended) as ended:
+            lifetime._release([engine])  # noqa: SLF001
+        assert ended.value.args == (lifetime.STUCK_EXIT_CODE,) and not engine.torn
+        assert said in capsys.readouterr().err
 
     monkeypatch.setattr(logging.getLogger(), "handlers", [logging.StreamHandler()])  # configured: the log only
-    lifetime._release([Engine(Group("2"))])  # noqa: SLF001
+    monkeypatch.setattr(lifetime, "_abort_within", lambda g, s: (True, ""))
+    monkeypatch.setattr(lifetime, "_drain", drains(False, True))
+    lifetime._release([Engine(Group("3"))])  # noqa: SLF001
     assert "pygraph_dist:" not in capsys.readouterr().err
+
+
+def test_bounded_abort_of_a_real_group_returns_in_time():
+    """The extension's bounded abort on a real (Gloo) world: it returns in time,
+    with torch's error text if the backend refused (the blocking case needs a
+    wedged NCCL communicator: the 2-GPU sigint-stock case exercises it)."""
+    from pygraph_dist.runtime._ext import C
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        returned, error = C.abort_group_within(dist.group.WORLD, 30.0)
+        assert returned is True and isinstance(error, str)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -35,7 +35,12 @@ finish when it waits for a collective that a peer never launched -- the peer
 was interrupted (Ctrl-C reaches the ranks a step apart) or died. Waiting for
 it would hang the exit for ever, so the communicators of the live engines are
 aborted instead (``ProcessGroup.abort()``, ``ncclCommAbort``: NCCL's kernels
-poll its flag) and the exit goes on, with an error in the log.
+poll its flag) and the exit goes on, with an error on stderr. The abort itself
+is bounded (2 s, on a native thread): with torch's stock NCCL it blocked for
+good now and then while a graph's all-reduce waited for the exited peer. When
+the abort does not return, or the device still does not drain after it, the
+process ends there with status 1 and says why (``os._exit``: torch's exit
+handlers would wait on the same device).
 
 :func:`uninstall` puts ``ProcessGroup.shutdown`` back (``pgd.shutdown()``); the
 hook and its undo are ``patches.py``'s (entry ``ProcessGroup.shutdown``).
@@ -146,13 +151,45 @@ def _abort_groups(engines: list) -> None:
         "be incomplete on this rank. PYGRAPH_DIST_EXIT_DRAIN_S sets the wait.",
         _rank(), drain_seconds(), len(groups))
     for group in groups:
-        try:
-            group.abort()
-        except Exception:  # noqa: BLE001 - best effort: the exit must go on
-            logger.warning("aborting the process group failed", exc_info=True)
-    if not _drain(drain_seconds()):
-        _error("rank %s: the GPU's queued work still did not finish %.0f s after the abort.",
-               _rank(), drain_seconds())
+        returned, error = _abort_within(group, ABORT_WAIT_S)
+        if error:
+            logger.warning("aborting the process group failed: %s", error)
+        if not returned:  # ncclCommAbort blocked (a graph waits on the communicator)
+            _end_now(f"aborting the communicator did not return within {ABORT_WAIT_S:.0f} s either")
+    if not _drain(drain_seconds()):  # teardown would wait on the device for ever
+        _end_now(f"the GPU's queued work still did not finish {drain_seconds():.0f} s after the abort")
+
+
+# How long an abort may take. It sets a flag and frees the communicator; one
+# still running after this blocks for good (seen with torch's stock NCCL), and
+# the process is past saving either way: a peer is gone.
+ABORT_WAIT_S = 2.0
+
+
+# The exit status of a process whose teardown cannot free the GPU: 1, as an
+# uncaught error (and as torch DDP's ranks end on Ctrl-C on the GPU machine).
+STUCK_EXIT_CODE = 1
+
+
+def _end_now(why: str) -> None:
+    """Nothing else can end this process: the device waits for a peer that is
+    gone and aborting did not free it. Say so and exit now (``os._exit``:
+    torch's own exit handlers would wait on the same device)."""
+    _error("rank %s: %s; ending the process now with exit status %d.", _rank(), why, STUCK_EXIT_CODE)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(STUCK_EXIT_CODE)
+
+
+def _abort_within(group, wait_s: float) -> tuple[bool, str]:
+    """``group.abort()``, bounded: on a native thread without the GIL (the
+    extension's ``abort_group_within``), as the replay watchdog aborts. With
+    torch's stock NCCL the abort blocked for good on 2xH200 (torch 2.11, NCCL
+    2.28.9, about 1 run in 5 of test_exit_paths' sigint-stock), while a replayed
+    graph's all-reduce waited for a peer that had exited."""
+    from ..runtime._ext import C
+
+    return C.abort_group_within(group, float(wait_s))
 
 
 def _error(msg: str, *args) -> None:
