@@ -266,6 +266,9 @@ void bind_backend(py::module_& m) {
   // The exit teardown's abort (python/pygraph_dist/launch/lifetime.py): bounded,
   // because ncclCommAbort can block for good while a graph waits on the
   // communicator for a peer that exited.
+  m.def("exit_deadline", &exit_deadline, py::arg("seconds"), py::arg("message"), py::arg("exit_code"),
+        "A native thread that ends the process (message, Python stacks, _exit(exit_code)) if it "
+        "is still alive after seconds; for interpreter exit.");
   m.def(
       "abort_group_within",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg, double wait_s) {

@@ -534,4 +534,22 @@ bool call_within(std::function<void()> fn, double wait_s) {
   return done->load();
 }
 
+void exit_deadline(double seconds, std::string message, int exit_code) {
+  PyInterpreterState* interp =
+      (Py_IsInitialized() && PyGILState_Check()) ? PyInterpreterState_Get() : nullptr;
+  std::thread([seconds, message = std::move(message), exit_code, interp] {
+    pthread_setname_np(pthread_self(), "pgd-exit-limit");
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+    write_all(message);
+    DumpThreadsFn dump = python_stack_dumper();
+    if (dump != nullptr && interp != nullptr && Py_IsInitialized()) {
+      write_all("[pygraph_dist] Python stacks of this process, most recent call first:\n");
+      dump(STDERR_FILENO, interp, nullptr);
+    }
+    std::fflush(stdout);
+    std::fflush(stderr);
+    _exit(exit_code);
+  }).detach();
+}
+
 }  // namespace pgd

@@ -68,6 +68,14 @@ struct ReplayWatchdogOptions {
 // (the watchdog and the exit teardown both end the process).
 bool call_within(std::function<void()> fn, double wait_s);
 
+// The last resort of an exiting process: a detached native thread that, if the
+// process is still alive after seconds, writes message and every Python
+// thread's stack to stderr and ends it with _exit(exit_code). Armed at
+// interpreter exit (python/pygraph_dist/launch/lifetime.py), where a CUDA or
+// NCCL call that waits for a peer that is gone would otherwise hang the exit;
+// not cancellable: the process is ending either way.
+void exit_deadline(double seconds, std::string message, int exit_code);
+
 class ReplayWatchdog {
  public:
   explicit ReplayWatchdog(ReplayWatchdogOptions options);

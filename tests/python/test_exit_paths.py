@@ -376,3 +376,33 @@ def test_bounded_abort_of_a_real_group_returns_in_time():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_an_exit_that_blocks_with_graphs_alive_is_ended_at_its_deadline(tmp_path):
+    """Interpreter exit with a live engine whose teardown never returns (as a
+    graph's destruction did on 2xH200 with the peer gone): the native deadline
+    ends the process with status 1, its reason and its Python stacks."""
+    code = (
+        "import time\n"
+        "from pygraph_dist.launch import lifetime\n"
+        "class Stuck:\n"
+        "    closed, group = False, None\n"
+        "    def teardown(self):\n"
+        "        time.sleep(120)  # stands in for a CUDA call that waits for a peer\n"
+        "engine = Stuck()\n"
+        "engine.serial = lifetime.register(engine)\n"
+        "print('exiting', flush=True)\n"
+    )
+    env = child_env(PYGRAPH_DIST_EXIT_DEADLINE_S="2", CUDA_VISIBLE_DEVICES="")
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=90)
+    took = time.monotonic() - start
+    assert p.returncode == 1, (p.returncode, p.stdout, p.stderr)
+    assert "exiting" in p.stdout and took < 60, took
+    assert "has not ended 2 s after its exit began" in p.stderr, p.stderr
+    assert "in teardown" in p.stderr, p.stderr  # the stacks say where it waited
+
+    env["PYGRAPH_DIST_EXIT_DEADLINE_S"] = "0"  # off: the exit waits for the teardown
+    p = subprocess.run([sys.executable, "-c", code.replace("120", "3")], env=env, capture_output=True,
+                       text=True, timeout=90)
+    assert p.returncode == 0 and "has not ended" not in p.stderr, (p.returncode, p.stderr)

@@ -40,7 +40,11 @@ is bounded (2 s, on a native thread): with torch's stock NCCL it blocked for
 good now and then while a graph's all-reduce waited for the exited peer. When
 the abort does not return, or the device still does not drain after it, the
 process ends there with status 1 and says why (``os._exit``: torch's exit
-handlers would wait on the same device).
+handlers would wait on the same device). And an exit with graphs alive has a
+deadline (``PYGRAPH_DIST_EXIT_DEADLINE_S``, 30 s), kept by a native thread:
+past it, the process prints its Python stacks and ends with status 1 -- a
+graph's destruction once blocked after the drain had succeeded, with the peer
+gone (2xH200, stock NCCL).
 
 :func:`uninstall` puts ``ProcessGroup.shutdown`` back (``pgd.shutdown()``); the
 hook and its undo are ``patches.py``'s (entry ``ProcessGroup.shutdown``).
@@ -89,6 +93,30 @@ def register(engine: Closable) -> int:
 def live_engines() -> list:
     """The live engines of this process, in creation order."""
     return sorted(_LIVE, key=lambda e: e.serial)
+
+
+def _at_exit() -> None:
+    """Interpreter exit: with graphs alive, arm the exit deadline, then release them."""
+    if any(not getattr(e, "closed", False) for e in live_engines()):
+        limit = exit_deadline_s()
+        if limit > 0:
+            from ..runtime._ext import C
+
+            C.exit_deadline(limit, (
+                f"pygraph_dist: rank {_rank()}: the process has not ended {limit:.0f} s after its exit began "
+                "(the graphs' teardown or torch's exit handlers wait on the GPU or on a peer that is gone); "
+                f"ending it now with exit status {STUCK_EXIT_CODE}. PYGRAPH_DIST_EXIT_DEADLINE_S sets the "
+                "limit (0: none).\n"), STUCK_EXIT_CODE)
+    teardown_all()
+
+
+def exit_deadline_s() -> float:
+    """How long an exit with graphs alive may take before it is ended
+    (``PYGRAPH_DIST_EXIT_DEADLINE_S``, 30 s; 0 turns it off)."""
+    try:
+        return max(0.0, float(os.environ.get("PYGRAPH_DIST_EXIT_DEADLINE_S", "30")))
+    except ValueError:
+        return 30.0
 
 
 def teardown_all() -> None:
@@ -250,7 +278,7 @@ def install() -> None:
     global _installed
     with _lock:
         if not _installed:
-            atexit.register(teardown_all)
+            atexit.register(_at_exit)
             _installed = True
         patches.hook_process_group_shutdown(lambda group: release_for(group), logger)
 
@@ -260,7 +288,7 @@ def uninstall() -> None:
     global _installed
     with _lock:
         if _installed:
-            atexit.unregister(teardown_all)
+            atexit.unregister(_at_exit)
             _installed = False
         patches.undo("ProcessGroup.shutdown")
 
