@@ -105,7 +105,8 @@ struct ReplayWatchdog::State {
   void poll_loop();
   void judge_loop();
   void heartbeat_loop();
-  [[noreturn]] void fire(const core::ReplayVerdict& verdict);
+  [[noreturn]] void fire(const core::ReplayVerdict& verdict, const std::vector<int>& departed = {});
+  double departure_grace_s() const;
   std::string describe_liveness();
 };
 
@@ -246,10 +247,14 @@ void ReplayWatchdog::State::heartbeat_loop() {
   while (!stop) {
     // Read the other ranks only once something is overdue by a third of the
     // timeout: steady state costs one set per period, not world_size reads.
+    // Or once the oldest replay has waited departure_grace_s: then a rank
+    // that left training (closed its watchdog) ends the wait early.
     const double now = mono_now();
-    const bool suspicious = pending.check(now + opts.timeout_s * 2.0 / 3.0).timed_out();
+    const double grace = departure_grace_s();
+    const bool suspicious = pending.check(now, opts.timeout_s / 3.0).timed_out();
+    const bool waiting = grace < opts.timeout_s && pending.check(now, grace).timed_out();
     lock.unlock();
-    if (beat(false) && suspicious) {
+    if (beat(false) && (suspicious || waiting)) {
       for (int r = 0; r < opts.world_size; ++r) {
         if (r == opts.rank) {
           continue;
@@ -267,6 +272,16 @@ void ReplayWatchdog::State::heartbeat_loop() {
         }
         std::lock_guard<std::mutex> g(mu);
         liveness->observe(r, hb, wall_now());
+      }
+      std::vector<int> left;
+      core::ReplayVerdict verdict;
+      {
+        std::lock_guard<std::mutex> g(mu);
+        left = liveness->departed();
+        verdict = pending.check(mono_now(), grace);
+      }
+      if (waiting && !left.empty() && verdict.timed_out()) {
+        fire(verdict, left);
       }
     }
     lock.lock();
@@ -299,14 +314,20 @@ std::string ReplayWatchdog::State::describe_liveness() {
   return out + liveness->describe(wall_now());
 }
 
-void ReplayWatchdog::State::fire(const core::ReplayVerdict& verdict) {
+double ReplayWatchdog::State::departure_grace_s() const {
+  // Long enough that a slow step is not mistaken for a wait on a rank that
+  // left; the departure itself takes RankLiveness::kDepartedReads heartbeats.
+  return std::max(5.0, 2.0 * heartbeat_s);
+}
+
+void ReplayWatchdog::State::fire(const core::ReplayVerdict& verdict, const std::vector<int>& departed) {
   firing.store(true);
   std::string context = opts.context;
   if (context.empty()) {
     context = "rank " + std::to_string(opts.rank) + " of " + std::to_string(opts.world_size);
   }
   const std::string liveness_text = describe_liveness();
-  write_all(core::describe_timeout(verdict, opts.timeout_s, context, liveness_text, opts.exit_code));
+  write_all(core::describe_timeout(verdict, opts.timeout_s, context, liveness_text, opts.exit_code, departed));
 
   if (opts.dump_python) {
     DumpThreadsFn dump = python_stack_dumper();

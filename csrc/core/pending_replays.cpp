@@ -55,7 +55,9 @@ void PendingReplays::complete_oldest(uint64_t seq, double now) {
   any_progress_ = true;
 }
 
-ReplayVerdict PendingReplays::check(double now) const {
+ReplayVerdict PendingReplays::check(double now) const { return check(now, timeout_s_); }
+
+ReplayVerdict PendingReplays::check(double now, double after_s) const {
   ReplayVerdict v;
   v.pending = pending_.size();
   v.armed = armed_;
@@ -66,14 +68,14 @@ ReplayVerdict PendingReplays::check(double now) const {
     if (any_progress_ && last_progress_ > since) {
       since = last_progress_;
     }
-    if (now - since > timeout_s_) {
+    if (now - since > after_s) {
       v.kind = WaitKind::kReplay;
       v.waited_s = now - since;
       v.replay = head;
       return v;
     }
   }
-  if (launch_ && now - launch_->armed_at > timeout_s_) {
+  if (launch_ && now - launch_->armed_at > after_s) {
     v.kind = WaitKind::kLaunch;
     v.waited_s = now - launch_->armed_at;
     v.replay = *launch_;
@@ -171,7 +173,18 @@ void RankLiveness::observe(int rank, const std::optional<Heartbeat>& hb, double 
     if (!s.last || hb->wall_s >= s.last->wall_s) {
       s.last = hb;
     }
+    s.closed_reads = s.last->closed ? s.closed_reads + 1 : 0;
   }
+}
+
+std::vector<int> RankLiveness::departed() const {
+  std::vector<int> out;
+  for (int r = 0; r < world_size_; ++r) {
+    if (r != self_ && seen_[static_cast<size_t>(r)].closed_reads >= kDepartedReads) {
+      out.push_back(r);
+    }
+  }
+  return out;
 }
 
 void RankLiveness::store_unreachable(const std::string& why, double wall_now) {
@@ -273,12 +286,23 @@ std::string describe_timeout(const ReplayVerdict& v,
                              double timeout_s,
                              const std::string& context,
                              const std::string& liveness,
-                             int exit_code) {
+                             int exit_code,
+                             const std::vector<int>& departed) {
   const std::string p = "[pygraph_dist watchdog] ";
   std::string out;
   char buf[512];
   const std::string what = v.replay.label.empty() ? std::string("(unlabelled)") : v.replay.label;
-  if (v.kind == WaitKind::kLaunch) {
+  if (!departed.empty()) {
+    std::string ranks;
+    for (int r : departed) {
+      ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    }
+    std::snprintf(buf, sizeof(buf),
+                  "%s: graph replay #%" PRIu64 " %s has waited %.1f s, and rank(s) %s left training "
+                  "(closed their watchdog): the collectives it waits for will never come, so this rank "
+                  "does not wait out the replay timeout (%.0f s).",
+                  context.c_str(), v.replay.seq, what.c_str(), v.waited_s, ranks.c_str(), timeout_s);
+  } else if (v.kind == WaitKind::kLaunch) {
     std::snprintf(buf, sizeof(buf),
                   "%s: launching graph replay %s has not returned after %.1f s (replay timeout %.0f s): "
                   "the GPU has stopped draining its launch queue.",

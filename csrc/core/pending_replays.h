@@ -21,6 +21,12 @@
 //     it, and a blocked host arms nothing new.
 //   * Events complete in stream order, so the poller only ever asks about the
 //     oldest pending replay (complete_oldest).
+//   * A rank that left training (its heartbeat says "closed",
+//     RankLiveness::departed) will never launch the collectives a pending
+//     replay waits for: once that replay has waited a grace period (the
+//     watchdog's departure_grace_s), the watchdog fires without waiting out
+//     the timeout -- a peer that exited on Ctrl-C or an error one step
+//     before this rank left it waiting for the whole process group timeout.
 #pragma once
 
 #include <cstdint>
@@ -77,6 +83,8 @@ class PendingReplays {
 
   // Whether something has waited longer than the timeout, and what.
   ReplayVerdict check(double now) const;
+  // The same against another bound (the departure grace, a third of the timeout).
+  ReplayVerdict check(double now, double after_s) const;
 
   // Forget everything pending (the engine released its graphs, or closed).
   void clear(double now);
@@ -132,10 +140,17 @@ class RankLiveness {
   // "rank 1: last heartbeat 14.2 s ago (NOT ALIVE), had armed 199 replays, 199 completed".
   std::string describe(double wall_now, size_t max_ranks = 16) const;
   bool any_read() const { return any_read_; }
+  // Ranks that left: their heartbeat said "closed" on the last
+  // kDepartedReads reads in a row. One read is not enough: engines of one
+  // rank share its key, and a model torn down while another trains on
+  // writes "closed" until the other's next heartbeat overwrites it.
+  static constexpr int kDepartedReads = 3;
+  std::vector<int> departed() const;
 
  private:
   struct Seen {
     std::optional<Heartbeat> last;
+    int closed_reads = 0;  // consecutive reads that found it closed
   };
   int world_size_;
   int self_;
@@ -149,10 +164,13 @@ class RankLiveness {
 // The report printed when the watchdog fires: what it waited for, for how
 // long, the graph's collectives, the other ranks' liveness (if known), and
 // what happens next. `context` names the process ("rank 0 of 2").
+// `departed` (RankLiveness::departed()): the ranks that left while the replay
+// waited, when that, not the timeout, is why the watchdog fires.
 std::string describe_timeout(const ReplayVerdict& verdict,
                              double timeout_s,
                              const std::string& context,
                              const std::string& liveness,
-                             int exit_code);
+                             int exit_code,
+                             const std::vector<int>& departed = {});
 
 }  // namespace pgd::core

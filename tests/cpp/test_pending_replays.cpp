@@ -163,6 +163,24 @@ TEST(RankLiveness, ClosedRankIsNotReplaying) {
             std::string::npos) << l.describe(100.0);
 }
 
+TEST(RankLiveness, DepartedAfterThreeClosedReadsInARow) {
+  RankLiveness l(3, 0, 8.0);
+  Heartbeat closed{99.0, 180, 180};
+  closed.closed = true;
+  for (int read = 1; read < RankLiveness::kDepartedReads; ++read) {
+    l.observe(1, closed, 100.0 + read);
+    EXPECT_TRUE(l.departed().empty()) << "after " << read << " read(s)";
+  }
+  l.observe(1, closed, 104.0);
+  l.observe(2, Heartbeat{103.0, 5, 5}, 104.0);
+  EXPECT_EQ(l.departed(), (std::vector<int>{1}));
+  // Another model of that rank beats again (engines share the key): not departed.
+  l.observe(1, Heartbeat{105.0, 181, 181}, 106.0);
+  EXPECT_TRUE(l.departed().empty());
+  l.observe(1, std::nullopt, 107.0);  // a read that found nothing changes nothing
+  EXPECT_TRUE(l.departed().empty());
+}
+
 TEST(RankLiveness, StaleAndNeverSeenRanks) {
   RankLiveness l(4, 0, 8.0);
   EXPECT_FALSE(l.any_read());
@@ -229,6 +247,19 @@ TEST(DescribeTimeout, SaysWhatWhyAndTheExitCode) {
     EXPECT_EQ(msg.compare(pos + 1, 24, "[pygraph_dist watchdog] "), 0) << msg;
     ++pos;
   }
+}
+
+TEST(DescribeTimeout, DepartedRanksAreTheReason) {
+  PendingReplays p(600.0);
+  p.arm("[x] at iteration 40", "all_reduce float32 x 10", 0.0);
+  EXPECT_FALSE(p.check(12.0).timed_out());
+  EXPECT_FALSE(p.check(12.0, 15.0).timed_out());
+  const std::string msg = describe_timeout(p.check(12.0, 10.0), 600.0, "rank 0 of 3", "", 70, {1, 2});
+  EXPECT_NE(msg.find("rank 0 of 3: graph replay #1 [x] at iteration 40 has waited 12.0 s, and rank(s) 1, 2 "
+                     "left training"),
+            std::string::npos) << msg;
+  EXPECT_NE(msg.find("does not wait out the replay timeout (600 s)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("exit code 70"), std::string::npos) << msg;
 }
 
 TEST(DescribeTimeout, BlockedLaunch) {

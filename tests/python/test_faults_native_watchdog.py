@@ -100,6 +100,27 @@ def test_heartbeats_say_which_ranks_were_last_seen_alive(tmp_path, fault, needle
         assert "rank 1: last heartbeat" in out and "(alive)" in out, out
 
 
+def test_a_rank_that_left_ends_the_wait_before_the_timeout(tmp_path):
+    """Rank 1 closes its watchdog (it left training: teardown at exit) while rank
+    0's replay waits for its collectives: rank 0 ends after the departure grace
+    (5 s here), not after its 120 s replay timeout. On 2xH200 a rank whose peer
+    took Ctrl-C one step earlier waited in float(loss) for the whole timeout."""
+    port = str(free_port())
+    t0 = time.monotonic()
+    procs = [_start("native_heartbeats", tmp_path, "--replay-timeout", "120", "--fault", "close",
+                    RANK=str(r), MASTER_PORT=port) for r in range(2)]
+    try:
+        code, out = _finish(procs[0], 90)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    took = time.monotonic() - t0
+    assert code == 70, out
+    assert "rank(s) 1 left training (closed their watchdog)" in out, out
+    assert "does not wait out the replay timeout (120 s)" in out, out
+    assert took < 60, f"{took:.0f} s: the wait was not ended early\n{out}"
+
+
 def test_python_wrapper_disabled_and_lazy():
     from pygraph_dist.launch.watchdog import ReplayWatchdog
 
