@@ -77,20 +77,25 @@ def test_completed_replays_never_fire_and_close_is_prompt(tmp_path):
     assert r["close_s"] < 1.0, r
 
 
+def _heartbeat_ranks(tmp_path, fault: str, *, replay_timeout: float, limit: float) -> tuple[int, str]:
+    """faults_workers' native_heartbeats at 2 ranks: rank 0's exit status and output."""
+    port = str(free_port())
+    procs = [_start("native_heartbeats", tmp_path, "--replay-timeout", str(replay_timeout), "--fault", fault,
+                    RANK=str(r), MASTER_PORT=port) for r in range(2)]
+    try:
+        return _finish(procs[0], limit)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+
+
 @pytest.mark.parametrize("fault,needle", [
     ("kill", "rank 1: last heartbeat"),
     ("close", "rank 1: closed its watchdog"),
     ("alive", "running but not replaying"),
 ])
 def test_heartbeats_say_which_ranks_were_last_seen_alive(tmp_path, fault, needle):
-    port = str(free_port())
-    procs = [_start("native_heartbeats", tmp_path, "--replay-timeout", "4", "--fault", fault,
-                    RANK=str(r), MASTER_PORT=port) for r in range(2)]
-    try:
-        code, out = _finish(procs[0], 60)
-    finally:
-        procs[1].kill()
-        procs[1].communicate()
+    code, out = _heartbeat_ranks(tmp_path, fault, replay_timeout=4, limit=60)
     assert code == 70, out
     assert "other ranks, by their watchdog heartbeats in the store" in out, out
     assert needle in out, out
@@ -105,15 +110,8 @@ def test_a_rank_that_left_ends_the_wait_before_the_timeout(tmp_path):
     0's replay waits for its collectives: rank 0 ends after the departure grace
     (5 s here), not after its 120 s replay timeout. On 2xH200 a rank whose peer
     took Ctrl-C one step earlier waited in float(loss) for the whole timeout."""
-    port = str(free_port())
     t0 = time.monotonic()
-    procs = [_start("native_heartbeats", tmp_path, "--replay-timeout", "120", "--fault", "close",
-                    RANK=str(r), MASTER_PORT=port) for r in range(2)]
-    try:
-        code, out = _finish(procs[0], 90)
-    finally:
-        procs[1].kill()
-        procs[1].communicate()
+    code, out = _heartbeat_ranks(tmp_path, "close", replay_timeout=120, limit=90)
     took = time.monotonic() - t0
     assert code == 70, out
     assert "rank(s) 1 left training (closed their watchdog)" in out, out
