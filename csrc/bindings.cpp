@@ -263,9 +263,28 @@ void bind_backend(py::module_& m) {
   // torch's ProcessGroup bindings release it; the argument casters, which hold
   // the caller's tensors, are destroyed with it held.
   using gil_release = py::call_guard<py::gil_scoped_release>;
-  // The exit teardown's abort (python/pygraph_dist/launch/lifetime.py): bounded,
-  // because ncclCommAbort can block for good while a graph waits on the
-  // communicator for a peer that exited.
+  m.def("python_free_allreduce", &python_free_allreduce, py::arg("group"), py::arg("tensors"),
+        py::arg("opts"), gil_release(),
+        "group.allreduce(tensors, opts), its Work holding no Python object.");
+  m.def("python_free_broadcast", &python_free_broadcast, py::arg("group"), py::arg("tensors"),
+        py::arg("opts"), gil_release(),
+        "group.broadcast(tensors, opts), its Work holding no Python object.");
+  m.def("python_free_allgather", &python_free_allgather, py::arg("group"), py::arg("outputs"),
+        py::arg("inputs"), py::arg("opts"), gil_release(),
+        "group.allgather(outputs, inputs, opts), its Work holding no Python object.");
+}
+
+template <typename T>
+c10::intrusive_ptr<T> optional_intrusive(const py::object& obj) {
+  return obj.is_none() ? c10::intrusive_ptr<T>() : obj.cast<c10::intrusive_ptr<T>>();
+}
+
+void bind_watchdog(py::module_& m) {
+  m.attr("WATCHDOG_EXIT_CODE") = kWatchdogExitCode;
+  // The exit teardown's last resorts (python/pygraph_dist/launch/lifetime.py):
+  // a deadline for the whole exit, and an abort that is bounded, because
+  // ncclCommAbort can block for good while a graph waits on the communicator
+  // for a peer that exited.
   m.def("exit_deadline", &exit_deadline, py::arg("seconds"), py::arg("message"), py::arg("exit_code"),
         "A native thread that ends the process (message, Python stacks, _exit(exit_code)) if it "
         "is still alive after seconds; for interpreter exit.");
@@ -286,24 +305,6 @@ void bind_backend(py::module_& m) {
       },
       py::arg("group"), py::arg("wait_s"), py::call_guard<py::gil_scoped_release>(),
       "group.abort() on a native thread, waiting at most wait_s: (returned in time, its error or '').");
-  m.def("python_free_allreduce", &python_free_allreduce, py::arg("group"), py::arg("tensors"),
-        py::arg("opts"), gil_release(),
-        "group.allreduce(tensors, opts), its Work holding no Python object.");
-  m.def("python_free_broadcast", &python_free_broadcast, py::arg("group"), py::arg("tensors"),
-        py::arg("opts"), gil_release(),
-        "group.broadcast(tensors, opts), its Work holding no Python object.");
-  m.def("python_free_allgather", &python_free_allgather, py::arg("group"), py::arg("outputs"),
-        py::arg("inputs"), py::arg("opts"), gil_release(),
-        "group.allgather(outputs, inputs, opts), its Work holding no Python object.");
-}
-
-template <typename T>
-c10::intrusive_ptr<T> optional_intrusive(const py::object& obj) {
-  return obj.is_none() ? c10::intrusive_ptr<T>() : obj.cast<c10::intrusive_ptr<T>>();
-}
-
-void bind_watchdog(py::module_& m) {
-  m.attr("WATCHDOG_EXIT_CODE") = kWatchdogExitCode;
   using gil_release = py::call_guard<py::gil_scoped_release>;
   py::class_<ReplayWatchdog, std::shared_ptr<ReplayWatchdog>>(
       m, "ReplayWatchdog",
