@@ -285,9 +285,13 @@ void bind_watchdog(py::module_& m) {
   // a deadline for the whole exit, and an abort that is bounded, because
   // ncclCommAbort can block for good while a graph waits on the communicator
   // for a peer that exited.
-  m.def("exit_deadline", &exit_deadline, py::arg("seconds"), py::arg("message"), py::arg("exit_code"),
-        "A native thread that ends the process (message, Python stacks, _exit(exit_code)) if it "
-        "is still alive after seconds; for interpreter exit.");
+  py::class_<ExitDeadline, std::shared_ptr<ExitDeadline>>(
+      m, "ExitDeadline",
+      "A native thread that ends the process (message, Python stacks, _exit(exit_code)) "
+      "after seconds, unless cancel() came first; for the teardown at interpreter exit.")
+      .def(py::init<double, std::string, int>(), py::arg("seconds"), py::arg("message"),
+           py::arg("exit_code"))
+      .def("cancel", &ExitDeadline::cancel);
   m.def(
       "abort_group_within",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg, double wait_s) {

@@ -555,12 +555,22 @@ bool call_within(std::function<void()> fn, double wait_s) {
   return done->load();
 }
 
-void exit_deadline(double seconds, std::string message, int exit_code) {
+ExitDeadline::ExitDeadline(double seconds, std::string message, int exit_code)
+    : cancelled_(std::make_shared<std::atomic<bool>>(false)) {
   PyInterpreterState* interp =
       (Py_IsInitialized() && PyGILState_Check()) ? PyInterpreterState_Get() : nullptr;
-  std::thread([seconds, message = std::move(message), exit_code, interp] {
+  std::thread([seconds, message = std::move(message), exit_code, interp, cancelled = cancelled_] {
     pthread_setname_np(pthread_self(), "pgd-exit-limit");
-    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+    const double deadline = mono_now() + seconds;
+    while (mono_now() < deadline) {
+      if (cancelled->load()) {
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (cancelled->load()) {
+      return;
+    }
     write_all(message);
     DumpThreadsFn dump = python_stack_dumper();
     if (dump != nullptr && interp != nullptr && Py_IsInitialized()) {
@@ -572,5 +582,7 @@ void exit_deadline(double seconds, std::string message, int exit_code) {
     _exit(exit_code);
   }).detach();
 }
+
+void ExitDeadline::cancel() { cancelled_->store(true); }
 
 }  // namespace pgd

@@ -68,13 +68,22 @@ struct ReplayWatchdogOptions {
 // (the watchdog and the exit teardown both end the process).
 bool call_within(std::function<void()> fn, double wait_s);
 
-// The last resort of an exiting process: a detached native thread that, if the
-// process is still alive after seconds, writes message and every Python
-// thread's stack to stderr and ends it with _exit(exit_code). Armed at
-// interpreter exit (python/pygraph_dist/launch/lifetime.py), where a CUDA or
-// NCCL call that waits for a peer that is gone would otherwise hang the exit;
-// not cancellable: the process is ending either way.
-void exit_deadline(double seconds, std::string message, int exit_code);
+// The last resort of an exiting process: a detached native thread that, unless
+// cancel() came first, writes message and every Python thread's stack to
+// stderr after seconds and ends the process with _exit(exit_code). Armed
+// around the graphs' teardown at interpreter exit
+// (python/pygraph_dist/launch/lifetime.py), where a CUDA or NCCL call that
+// waits for a peer that is gone would otherwise hang the exit; cancelled when
+// the teardown returns, so that the script's own exit handlers that run after
+// it (an upload, a logger's flush) take the time they need.
+class ExitDeadline {
+ public:
+  ExitDeadline(double seconds, std::string message, int exit_code);
+  void cancel();
+
+ private:
+  std::shared_ptr<std::atomic<bool>> cancelled_;
+};
 
 class ReplayWatchdog {
  public:

@@ -40,11 +40,12 @@ is bounded (2 s, on a native thread): with torch's stock NCCL it blocked for
 good now and then while a graph's all-reduce waited for the exited peer. When
 the abort does not return, or the device still does not drain after it, the
 process ends there with status 1 and says why (``os._exit``: torch's exit
-handlers would wait on the same device). And an exit with graphs alive has a
-deadline (``PYGRAPH_DIST_EXIT_DEADLINE_S``, 30 s), kept by a native thread:
-past it, the process prints its Python stacks and ends with status 1 -- a
-graph's destruction once blocked after the drain had succeeded, with the peer
-gone (2xH200, stock NCCL).
+handlers would wait on the same device). And releasing live graphs at exit
+has a deadline (``PYGRAPH_DIST_EXIT_DEADLINE_S``, 30 s), kept by a native
+thread: past it, the process prints its Python stacks and ends with status 1
+-- a graph's destruction once blocked after the drain had succeeded, with the
+peer gone (2xH200). The deadline is cancelled when the release returns, so
+the script's own exit handlers after it are not cut short.
 
 :func:`uninstall` puts ``ProcessGroup.shutdown`` back (``pgd.shutdown()``); the
 hook and its undo are ``patches.py``'s (entry ``ProcessGroup.shutdown``).
@@ -96,23 +97,31 @@ def live_engines() -> list:
 
 
 def _at_exit() -> None:
-    """Interpreter exit: with graphs alive, arm the exit deadline, then release them."""
+    """Interpreter exit: release every live graph, within the exit deadline
+    when graphs are alive. The deadline covers this teardown only: exit
+    handlers the script registered before ``wrap()`` run after it, and take
+    the time they need."""
+    deadline = None
     if any(not getattr(e, "closed", False) for e in live_engines()):
         limit = exit_deadline_s()
         if limit > 0:
             from ..runtime._ext import C
 
-            C.exit_deadline(limit, (
-                f"pygraph_dist: rank {_rank()}: the process has not ended {limit:.0f} s after its exit began "
-                "(the graphs' teardown or torch's exit handlers wait on the GPU or on a peer that is gone); "
-                f"ending it now with exit status {STUCK_EXIT_CODE}. PYGRAPH_DIST_EXIT_DEADLINE_S sets the "
-                "limit (0: none).\n"), STUCK_EXIT_CODE)
-    teardown_all()
+            deadline = C.ExitDeadline(limit, (
+                f"pygraph_dist: rank {_rank()}: releasing the graphs at exit has not finished after "
+                f"{limit:.0f} s (it waits on the GPU or on a peer that is gone); ending the process now "
+                f"with exit status {STUCK_EXIT_CODE}. PYGRAPH_DIST_EXIT_DEADLINE_S sets the limit "
+                "(0: none).\n"), STUCK_EXIT_CODE)
+    try:
+        teardown_all()
+    finally:
+        if deadline is not None:
+            deadline.cancel()
 
 
 def exit_deadline_s() -> float:
-    """How long an exit with graphs alive may take before it is ended
-    (``PYGRAPH_DIST_EXIT_DEADLINE_S``, 30 s; 0 turns it off)."""
+    """How long releasing live graphs at exit may take before the process is
+    ended (``PYGRAPH_DIST_EXIT_DEADLINE_S``, 30 s; 0 turns it off)."""
     try:
         return max(0.0, float(os.environ.get("PYGRAPH_DIST_EXIT_DEADLINE_S", "30")))
     except ValueError:
