@@ -67,6 +67,23 @@ void write_all(const std::string& text) {
   std::fflush(stderr);
 }
 
+// Every Python thread's stack to stderr, from a native thread without the GIL
+// (interp: the interpreter of the thread that armed it), with a line before
+// it; each line of ours starts with prefix.
+void write_python_stacks(PyInterpreterState* interp, const std::string& prefix) {
+  DumpThreadsFn dump = python_stack_dumper();
+  if (dump == nullptr) {
+    write_all(prefix + "Python stacks unavailable: this Python does not export _Py_DumpTracebackThreads\n");
+  } else if (interp == nullptr || !Py_IsInitialized()) {
+    write_all(prefix + "Python stacks unavailable: the interpreter is finalizing\n");
+  } else {
+    write_all(prefix + "Python stacks of this process, most recent call first:\n");
+    if (const char* err = dump(STDERR_FILENO, interp, nullptr)) {
+      write_all(prefix + "stack dump failed: " + err + "\n");
+    }
+  }
+}
+
 }  // namespace
 
 // One armed replay as the threads see it: core::PendingReplays holds its
@@ -273,15 +290,14 @@ void ReplayWatchdog::State::heartbeat_loop() {
         std::lock_guard<std::mutex> g(mu);
         liveness->observe(r, hb, wall_now());
       }
-      std::vector<int> left;
-      core::ReplayVerdict verdict;
-      {
-        std::lock_guard<std::mutex> g(mu);
-        left = liveness->departed();
-        verdict = pending.check(mono_now(), grace);
-      }
-      if (waiting && !left.empty() && verdict.timed_out()) {
-        fire(verdict, left);
+      if (waiting) {
+        std::unique_lock<std::mutex> g(mu);
+        const std::vector<int> left = liveness->departed();
+        const core::ReplayVerdict verdict = pending.check(mono_now(), grace);
+        g.unlock();
+        if (!left.empty() && verdict.timed_out()) {
+          fire(verdict, left);
+        }
       }
     }
     lock.lock();
@@ -330,18 +346,7 @@ void ReplayWatchdog::State::fire(const core::ReplayVerdict& verdict, const std::
   write_all(core::describe_timeout(verdict, opts.timeout_s, context, liveness_text, opts.exit_code, departed));
 
   if (opts.dump_python) {
-    DumpThreadsFn dump = python_stack_dumper();
-    if (dump == nullptr) {
-      write_all("[pygraph_dist watchdog] Python stacks unavailable: this Python does not export "
-                "_Py_DumpTracebackThreads\n");
-    } else if (interp == nullptr || !Py_IsInitialized()) {
-      write_all("[pygraph_dist watchdog] Python stacks unavailable: the interpreter is finalizing\n");
-    } else {
-      write_all("[pygraph_dist watchdog] Python stacks of this process, most recent call first:\n");
-      if (const char* err = dump(STDERR_FILENO, interp, nullptr)) {
-        write_all(std::string("[pygraph_dist watchdog] stack dump failed: ") + err + "\n");
-      }
-    }
+    write_python_stacks(interp, "[pygraph_dist watchdog] ");
   }
 
   if (opts.abort_backend && opts.abort_wait_s > 0.0) {
@@ -572,11 +577,7 @@ ExitDeadline::ExitDeadline(double seconds, std::string message, int exit_code)
       return;
     }
     write_all(message);
-    DumpThreadsFn dump = python_stack_dumper();
-    if (dump != nullptr && interp != nullptr && Py_IsInitialized()) {
-      write_all("[pygraph_dist] Python stacks of this process, most recent call first:\n");
-      dump(STDERR_FILENO, interp, nullptr);
-    }
+    write_python_stacks(interp, "[pygraph_dist] ");
     std::fflush(stdout);
     std::fflush(stderr);
     _exit(exit_code);

@@ -65,6 +65,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from ..runtime import patches
+from ..runtime._ext import C
 
 logger = logging.getLogger("pygraph_dist")
 
@@ -105,8 +106,6 @@ def _at_exit() -> None:
     if any(not getattr(e, "closed", False) for e in live_engines()):
         limit = exit_deadline_s()
         if limit > 0:
-            from ..runtime._ext import C
-
             deadline = C.ExitDeadline(limit, (
                 f"pygraph_dist: rank {_rank()}: releasing the graphs at exit has not finished after "
                 f"{limit:.0f} s (it waits on the GPU or on a peer that is gone); ending the process now "
@@ -224,8 +223,6 @@ def _abort_within(group, wait_s: float) -> tuple[bool, str]:
     torch's stock NCCL the abort blocked for good on 2xH200 (torch 2.11, NCCL
     2.28.9, about 1 run in 5 of test_exit_paths' sigint-stock), while a replayed
     graph's all-reduce waited for a peer that had exited."""
-    from ..runtime._ext import C
-
     return C.abort_group_within(group, float(wait_s))
 
 
