@@ -95,9 +95,7 @@ def run_end(end: str, init: str, out: Path, *, world: int = 2, cuda: bool, cycle
         path = out / f"rank{rank}.json"
         data = json.loads(path.read_text()) if path.exists() else {}
         text = (out / f"rank{rank}.log").read_text()
-        dump = text.find(HANG_DUMP)  # a rank that hung: its log up to the stacks, and the stacks
-        # (gdb lists the main thread last; the whole log stays in the test's tmp_path)
-        tail = text[-3000:] if dump < 0 else (text[max(0, dump - 3000):dump + 6000] + "\n[...]\n" + text[-6000:])
+        tail = _log_tail(text)
         last = data.get("t_last")
         results.append({"rc": p.returncode if rank in ended else None, "data": data, "log": tail,
                         "exit_s": (ended[rank] - last) if rank in ended and last else None})
@@ -105,6 +103,19 @@ def run_end(end: str, init: str, out: Path, *, world: int = 2, cuda: bool, cycle
 
 
 HANG_DUMP = "== test_exit_paths: this rank did not end; its stacks"
+
+
+def _log_tail(text: str) -> str:
+    """What a failure shows of a rank's log: its end, or for a rank that hung, the
+    log up to its stacks, the Python stacks, and the log's end (gdb lists the main
+    thread last), each part once. The whole log stays in the test's tmp_path."""
+    dump = text.find(HANG_DUMP)
+    if dump < 0:
+        return text[-3000:]
+    head_end = dump + 6000
+    if len(text) <= head_end:
+        return text[max(0, dump - 3000):]
+    return text[max(0, dump - 3000):head_end] + "\n[...]\n" + text[max(head_end, len(text) - 6000):]
 
 
 def _dump_stacks(p: subprocess.Popen, log) -> None:
