@@ -292,6 +292,11 @@ void bind_watchdog(py::module_& m) {
       .def(py::init<double, std::string, int>(), py::arg("seconds"), py::arg("message"),
            py::arg("exit_code"))
       .def("cancel", &ExitDeadline::cancel);
+  m.def("watch_interrupts", &watch_interrupts, py::arg("read_fd"),
+        "Read signal numbers from read_fd (signal.set_wakeup_fd's pipe) on a native thread, once per "
+        "process: SIGINT or SIGTERM marks the process interrupted for the replay watchdogs.");
+  m.def("interrupted_at", &interrupted_at,
+        "Monotonic seconds of the first SIGINT/SIGTERM watch_interrupts saw; 0.0 when none.");
   m.def(
       "abort_group_within",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg, double wait_s) {
@@ -318,7 +323,8 @@ void bind_watchdog(py::module_& m) {
       .def(py::init([](double timeout_s, int exit_code, double poll_s, std::string context,
                        const py::object& store, int rank, int world_size, double heartbeat_s,
                        std::string heartbeat_prefix, bool dump_python,
-                       const py::object& abort_backend, double abort_wait_s) {
+                       const py::object& abort_backend, double abort_wait_s,
+                       const py::object& interrupt_group, double interrupt_grace_s) {
              ReplayWatchdogOptions o;
              o.timeout_s = timeout_s;
              o.exit_code = exit_code;
@@ -332,13 +338,16 @@ void bind_watchdog(py::module_& m) {
              o.dump_python = dump_python;
              o.abort_backend = optional_intrusive<c10d::Backend>(abort_backend);
              o.abort_wait_s = abort_wait_s;
+             o.interrupt_group = optional_intrusive<c10d::ProcessGroup>(interrupt_group);
+             o.interrupt_grace_s = interrupt_grace_s;
              return std::make_shared<ReplayWatchdog>(std::move(o));
            }),
            py::arg("timeout_s"), py::arg("exit_code") = kWatchdogExitCode,
            py::arg("poll_s") = 0.0, py::arg("context") = "", py::arg("store") = py::none(),
            py::arg("rank") = 0, py::arg("world_size") = 1, py::arg("heartbeat_s") = 0.0,
            py::arg("heartbeat_prefix") = "pgd/alive/", py::arg("dump_python") = true,
-           py::arg("abort_backend") = py::none(), py::arg("abort_wait_s") = 0.0)
+           py::arg("abort_backend") = py::none(), py::arg("abort_wait_s") = 0.0,
+           py::arg("interrupt_group") = py::none(), py::arg("interrupt_grace_s") = 2.0)
       // Every call that can touch CUDA or wait releases the GIL: recording an
       // event blocks once the launch queue is full.
       .def("launch_started", &ReplayWatchdog::launch_started, py::arg("label"),
@@ -355,6 +364,7 @@ void bind_watchdog(py::module_& m) {
       .def_property_readonly("armed", &ReplayWatchdog::armed)
       .def_property_readonly("completed", &ReplayWatchdog::completed)
       .def_property_readonly("pending", &ReplayWatchdog::pending)
+      .def_property_readonly("interrupt_aborted", &ReplayWatchdog::interrupt_aborted)
       .def_property_readonly("timeout_s", &ReplayWatchdog::timeout_s)
       .def_property_readonly("poll_s", &ReplayWatchdog::poll_s)
       .def_property_readonly("heartbeat_s", &ReplayWatchdog::heartbeat_s)

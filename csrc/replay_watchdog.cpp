@@ -2,6 +2,8 @@
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <csignal>
+#include <cerrno>
 #include <unistd.h>
 
 #include <Python.h>
@@ -117,12 +119,15 @@ struct ReplayWatchdog::State {
   std::optional<core::RankLiveness> liveness;
   double store_call_since = 0.0;  // mono time a store call began; 0 when none is in flight
   std::atomic<bool> firing{false};
+  bool interrupt_handled = false;
+  std::atomic<bool> interrupt_aborted{false};
 
   uint64_t arm_slot(Slot slot, const std::string& label, const std::string& collectives);
   void poll_loop();
   void judge_loop();
   void heartbeat_loop();
   [[noreturn]] void fire(const core::ReplayVerdict& verdict, const std::vector<int>& departed = {});
+  void abort_for_interrupt(const core::ReplayVerdict& verdict, double interrupted_s);
   double departure_grace_s() const;
   std::string describe_liveness();
 };
@@ -203,12 +208,51 @@ void ReplayWatchdog::State::judge_loop() {
     if (stop) {
       break;
     }
-    const core::ReplayVerdict verdict = pending.check(mono_now());
+    const double now = mono_now();
+    const core::ReplayVerdict verdict = pending.check(now);
     if (verdict.timed_out()) {
       lock.unlock();
       fire(verdict);
     }
+    const double interrupted = interrupted_at();
+    if (opts.interrupt_group && !interrupt_handled && interrupted > 0.0) {
+      const core::ReplayVerdict stuck = pending.check_interrupted(now, interrupted, opts.interrupt_grace_s);
+      if (stuck.timed_out()) {
+        interrupt_handled = true;
+        lock.unlock();
+        abort_for_interrupt(stuck, now - interrupted);
+        lock.lock();
+      }
+    }
   }
+}
+
+void ReplayWatchdog::State::abort_for_interrupt(const core::ReplayVerdict& verdict, double interrupted_s) {
+  std::string context = opts.context;
+  if (context.empty()) {
+    context = "rank " + std::to_string(opts.rank) + " of " + std::to_string(opts.world_size);
+  }
+  const double wait_s = opts.abort_wait_s > 0.0 ? opts.abort_wait_s : 2.0;
+  char head[256];
+  std::snprintf(head, sizeof(head),
+                "[pygraph_dist watchdog] %s: interrupted %.1f s ago while graph replay #%llu ",
+                context.c_str(), interrupted_s, static_cast<unsigned long long>(verdict.replay.seq));
+  write_all(std::string(head) + verdict.replay.label +
+            " waits for its collectives, with no progress since: the ranks interrupted before they "
+            "launched them will not launch them now, and Python cannot raise the interrupt inside "
+            "this CUDA call. Aborting the communicator so that this process can end; this rank's "
+            "last step is incomplete (its parameters and optimizer state are not the other ranks': "
+            "do not save them).\n");
+  const bool returned = call_within([group = opts.interrupt_group] { group->abort(); }, wait_s);
+  if (returned) {
+    interrupt_aborted.store(true);
+    write_all("[pygraph_dist watchdog] communicator aborted\n");
+    return;
+  }
+  char tail[128];
+  std::snprintf(tail, sizeof(tail), "[pygraph_dist watchdog] the abort did not return within %.0f s\n", wait_s);
+  write_all(tail);
+  fire(verdict);
 }
 
 void ReplayWatchdog::State::heartbeat_loop() {
@@ -538,11 +582,45 @@ size_t ReplayWatchdog::pending() const {
   return state_->pending.pending();
 }
 
+bool ReplayWatchdog::interrupt_aborted() const { return state_->interrupt_aborted.load(); }
 double ReplayWatchdog::timeout_s() const { return state_->opts.timeout_s; }
 double ReplayWatchdog::poll_s() const { return state_->poll_s; }
 double ReplayWatchdog::heartbeat_s() const { return state_->heartbeat_s; }
 
 bool ReplayWatchdog::python_stacks_available() { return python_stack_dumper() != nullptr; }
+
+namespace {
+std::atomic<double> g_interrupted_at{0.0};
+std::atomic<bool> g_watching_interrupts{false};
+}  // namespace
+
+void watch_interrupts(int read_fd) {
+  if (g_watching_interrupts.exchange(true)) {
+    return;  // one reader for the process; the pipe is kept for its lifetime
+  }
+  std::thread([read_fd] {
+    pthread_setname_np(pthread_self(), "pgd_signals");
+    unsigned char buf[64];
+    for (;;) {
+      const ssize_t n = read(read_fd, buf, sizeof(buf));
+      if (n < 0 && errno == EINTR) {
+        continue;
+      }
+      if (n <= 0) {
+        g_watching_interrupts.store(false);
+        return;
+      }
+      for (ssize_t i = 0; i < n; ++i) {
+        if (buf[i] == SIGINT || buf[i] == SIGTERM) {
+          double none = 0.0;  // the first interrupt counts: later ones do not move it
+          g_interrupted_at.compare_exchange_strong(none, mono_now());
+        }
+      }
+    }
+  }).detach();
+}
+
+double interrupted_at() { return g_interrupted_at.load(); }
 
 bool call_within(std::function<void()> fn, double wait_s) {
   auto done = std::make_shared<std::atomic<bool>>(false);

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 namespace pgd {
@@ -59,7 +60,24 @@ struct ReplayWatchdogOptions {
   // TORCH_NCCL_ASYNC_ERROR_HANDLING=3, "skip cleanup").
   c10::intrusive_ptr<c10d::Backend> abort_backend;
   double abort_wait_s = 0.0;
+  // Optional: when the process was interrupted (watch_interrupts) while a
+  // replay waits that makes no progress (core::PendingReplays::
+  // check_interrupted, with interrupt_grace_s), abort this group -- its
+  // kernels return, the main thread's CUDA call returns, and Python raises
+  // the KeyboardInterrupt -- instead of waiting out the timeout. If the abort
+  // does not return within 2 s (or abort_wait_s), the watchdog fires.
+  c10::intrusive_ptr<c10d::ProcessGroup> interrupt_group;
+  double interrupt_grace_s = 2.0;
 };
+
+// Interrupts, as Python's signal handler reports them: read_fd is the read end
+// of the pipe whose write end is signal.set_wakeup_fd's (runtime/patches.py).
+// A native thread (started once) reads the signal numbers; SIGINT and SIGTERM
+// mark the process interrupted (interrupted_at(): monotonic seconds, 0 when
+// not). Python cannot raise KeyboardInterrupt while its main thread waits in a
+// CUDA call for a replayed collective: this is how the watchdog learns of it.
+void watch_interrupts(int read_fd);
+double interrupted_at();
 
 // Runs fn (an abort: ncclCommAbort can block, e.g. while a CUDA graph that
 // references the communicator waits for a peer that is gone) on a detached
@@ -118,6 +136,9 @@ class ReplayWatchdog {
   uint64_t armed() const;
   uint64_t completed() const;
   size_t pending() const;
+  // The watchdog aborted interrupt_group after an interrupt: the graphs'
+  // communicator is gone, and this process must not replay again.
+  bool interrupt_aborted() const;
   double timeout_s() const;
   double poll_s() const;
   double heartbeat_s() const;

@@ -49,6 +49,9 @@ void PendingReplays::complete_oldest(uint64_t seq, double now) {
   if (pending_.empty() || pending_.front().seq != seq) {
     return;
   }
+  const double since = any_progress_ ? std::max(pending_.front().armed_at, last_progress_)
+                                     : pending_.front().armed_at;
+  longest_wait_s_ = std::max(longest_wait_s_, now - since);
   pending_.pop_front();
   ++completed_;
   last_progress_ = now;
@@ -79,6 +82,25 @@ ReplayVerdict PendingReplays::check(double now, double after_s) const {
     v.kind = WaitKind::kLaunch;
     v.waited_s = now - launch_->armed_at;
     v.replay = *launch_;
+  }
+  return v;
+}
+
+ReplayVerdict PendingReplays::check_interrupted(double now, double interrupted_at, double grace_s) const {
+  ReplayVerdict v;
+  v.pending = pending_.size();
+  v.armed = armed_;
+  v.completed = completed_;
+  if (pending_.empty() || interrupted_at <= 0.0) {
+    return v;
+  }
+  const PendingReplay& head = pending_.front();
+  const double since = any_progress_ ? std::max(head.armed_at, last_progress_) : head.armed_at;
+  const double after_s = std::max(grace_s, 3.0 * longest_wait_s_);
+  if (since <= interrupted_at && now - interrupted_at > after_s) {
+    v.kind = WaitKind::kReplay;
+    v.waited_s = now - since;
+    v.replay = head;
   }
   return v;
 }

@@ -27,6 +27,13 @@
 //     watchdog's departure_grace_s), the watchdog fires without waiting out
 //     the timeout -- a peer that exited on Ctrl-C or an error one step
 //     before this rank left it waiting for the whole process group timeout.
+//   * A process interrupted (SIGINT, or SIGTERM the script handles) while a
+//     replay waits that has not progressed since: Ctrl-C reaches the ranks a
+//     step apart, so the rank still inside a replay waits for collectives the
+//     interrupted peer will never launch, inside a CUDA call Python cannot
+//     interrupt. check_interrupted says when it has waited long enough to
+//     give up: the interrupt grace, and three times the longest wait a replay
+//     of this process has needed so far (a slow step is not given up on).
 #pragma once
 
 #include <cstdint>
@@ -85,6 +92,15 @@ class PendingReplays {
   ReplayVerdict check(double now) const;
   // The same against another bound (the departure grace, a third of the timeout).
   ReplayVerdict check(double now, double after_s) const;
+  // After an interrupt at `interrupted_at`: timed out when the oldest pending
+  // replay was already waiting then, the GPU has made no progress since, and
+  // max(grace_s, 3 x longest_wait_s()) has passed since the interrupt. A
+  // replay armed after the interrupt (the script handled it and trains on)
+  // never counts.
+  ReplayVerdict check_interrupted(double now, double interrupted_at, double grace_s) const;
+  // The longest a replay has waited for its completion (from the later of its
+  // arming and the previous completion), over the replays completed so far.
+  double longest_wait_s() const { return longest_wait_s_; }
 
   // Forget everything pending (the engine released its graphs, or closed).
   void clear(double now);
@@ -100,6 +116,7 @@ class PendingReplays {
   std::optional<PendingReplay> launch_;
   double last_progress_ = 0.0;  // last completion seen (or clear); deadlines count from here
   bool any_progress_ = false;
+  double longest_wait_s_ = 0.0;
   uint64_t armed_ = 0;
   uint64_t completed_ = 0;
 };

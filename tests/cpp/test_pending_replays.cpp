@@ -269,3 +269,40 @@ TEST(DescribeTimeout, BlockedLaunch) {
   EXPECT_NE(msg.find("launching graph replay [x] at iteration 3 has not returned after 6.0 s"),
             std::string::npos) << msg;
 }
+
+TEST(PendingReplays, InterruptGivesUpOnAReplayThatWaitedThroughIt) {
+  // Steps of 0.5 s complete; replay 3 is armed at 1.0 and never completes;
+  // the interrupt comes at 1.2: given up 2 s later (grace 2 > 3 x 0.5).
+  PendingReplays p(600.0);
+  p.arm("a", "", 0.0);
+  p.arm("b", "", 0.1);
+  p.complete_oldest(1, 0.5);
+  p.complete_oldest(2, 1.0);
+  EXPECT_NEAR(p.longest_wait_s(), 0.5, 1e-9);
+  p.arm("c", "", 1.0);
+  EXPECT_FALSE(p.check_interrupted(3.1, 1.2, 2.0).timed_out());
+  auto v = p.check_interrupted(3.3, 1.2, 2.0);
+  ASSERT_TRUE(v.timed_out());
+  EXPECT_EQ(v.replay.label, "c");
+  EXPECT_NEAR(v.waited_s, 2.3, 1e-9);
+  EXPECT_FALSE(p.check_interrupted(3.3, 0.0, 2.0).timed_out());  // no interrupt
+}
+
+TEST(PendingReplays, InterruptIgnoresReplaysArmedOrProgressingAfterIt) {
+  PendingReplays p(600.0);
+  p.arm("a", "", 0.0);
+  // The script handled the interrupt at 0.2 and trains on: "a" completes
+  // after it, "b" is armed after it -- a slow step then is not given up on.
+  p.complete_oldest(1, 0.4);
+  p.arm("b", "", 0.5);
+  EXPECT_FALSE(p.check_interrupted(100.0, 0.2, 2.0).timed_out());
+}
+
+TEST(PendingReplays, InterruptWaitsThreeTimesTheLongestStep) {
+  PendingReplays p(600.0);
+  p.arm("a", "", 0.0);
+  p.complete_oldest(1, 4.0);  // a 4 s step
+  p.arm("b", "", 4.0);
+  EXPECT_FALSE(p.check_interrupted(16.5, 4.5, 2.0).timed_out());  // 12 s after it: not yet
+  EXPECT_TRUE(p.check_interrupted(16.6, 4.5, 2.0).timed_out());
+}

@@ -135,6 +135,60 @@ def native_gil_held(args) -> None:
     print("faults_workers: NOT REACHED", flush=True)
 
 
+def native_interrupted(args) -> None:
+    """Ctrl-C while a host replay waits (armed before it) and the main thread is
+    blocked with the GIL held, as in float(loss) waiting for a peer's collective:
+    the engine's watchdog (interrupt_group, the signal through lifetime's
+    wakeup fd) aborts the group, then Python raises the KeyboardInterrupt when
+    the block returns, and a replay after that raises. ``--fault close``: the
+    replay completes after the interrupt and the next, armed after it, waits:
+    the script handled the Ctrl-C and trains on, so nothing is aborted."""
+    import torch.distributed as dist
+
+    from pygraph_dist.launch import lifetime
+    from pygraph_dist.launch.watchdog import ReplayWatchdog
+    from pygraph_dist.runtime._ext import C
+
+    dist.init_process_group("gloo", init_method=f"file://{Path(args.out, 'store')}", rank=0, world_size=1)
+    lifetime.install()  # the wakeup fd, as the first wrap() installs it
+    wd = ReplayWatchdog(args.replay_timeout, native=True, store=None, poll_s=0.05,
+                        interrupt_group=dist.group.WORLD)
+    native = wd._ensure_native()
+    native.arm_host("[(16, 64) float32] step at iteration 9", "allreduce Float x4688")
+    handled = args.fault == "close"
+    if handled:  # the script's own handler: it stops at the next checkpoint, say
+        signal.signal(signal.SIGINT, lambda *a: _write(args.out, 0, handler_ran=True))
+    _write(args.out, 0, pid=os.getpid())
+    print("faults_workers: waiting for the signal", flush=True)
+    if handled:
+        deadline = time.monotonic() + 30
+        while not C.interrupted_at() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        native.complete_host()
+        time.sleep(0.3)
+        native.arm_host("after", "")  # a slow step, armed after the interrupt
+        time.sleep(args.leave_sleep)
+        _write(args.out, 0, aborted=native.interrupt_aborted, pending=native.pending)
+        return
+    start = time.monotonic()
+    try:
+        C._hold_gil_for_test(args.leave_sleep)  # the main thread stuck in a CUDA call when the signal comes
+    except KeyboardInterrupt:
+        pass
+    else:  # raised on the next bytecode after the block, or never
+        try:
+            time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+    try:
+        wd.fused()
+        replay_raises = ""
+    except RuntimeError as e:
+        replay_raises = str(e)
+    _write(args.out, 0, aborted=native.interrupt_aborted, blocked_s=time.monotonic() - start,
+           interrupted=C.interrupted_at() > 0, replay_raises=replay_raises)
+
+
 def native_completes(args) -> None:
     """Host replays armed and completed for a while: the watchdog must not fire,
     and close() must return promptly."""
@@ -319,7 +373,7 @@ def shutdown_joins(args) -> None:
     _write(args.out, rank, gloo_threads=gloo_threads())
 
 
-CASES = {f.__name__: f for f in (train, native_gil_held, native_completes, native_heartbeats,
+CASES = {f.__name__: f for f in (train, native_gil_held, native_interrupted, native_completes, native_heartbeats,
                                  mode_capture, shutdown_joins)}
 
 

@@ -10,6 +10,7 @@ test_faults_watchdog.py.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -117,6 +118,51 @@ def test_a_rank_that_left_ends_the_wait_before_the_timeout(tmp_path):
     assert "rank(s) 1 left training (closed their watchdog)" in out, out
     assert "does not wait out the replay timeout (120 s)" in out, out
     assert took < 60, f"{took:.0f} s: the wait was not ended early\n{out}"
+
+
+def _interrupted(tmp_path, *args: str) -> tuple[int, str, dict, float]:
+    """Start faults_workers' native_interrupted, send it SIGINT once it waits; its
+    exit status, output, JSON, and the seconds from the signal to its exit."""
+    p = _start("native_interrupted", tmp_path, "--replay-timeout", "120", *args)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "rank0.json").exists() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    code, out = _finish(p, 60)
+    data = json.loads((tmp_path / "rank0.json").read_text())
+    return code, out, data, time.monotonic() - t0
+
+
+def test_ctrl_c_aborts_a_replay_that_waits_for_an_interrupted_peer(tmp_path):
+    """The main thread is blocked (GIL held) in a replay armed before the Ctrl-C,
+    as in float(loss) waiting for a peer that took the Ctrl-C one step earlier
+    (2xH200: such ranks waited 24 s, or for good): the watchdog aborts the group
+    about 2 s after the signal, long before the replay timeout (120 s) or the
+    block's end (8 s), and says why; replaying after that raises."""
+    code, out, data, took = _interrupted(tmp_path, "--leave-sleep", "8")
+    assert "interrupted" in out and "Aborting the communicator so that this process can end" in out, out
+    assert "this rank's last step is incomplete" in out and "communicator aborted" in out, out
+    assert data["aborted"] is True, (data, out)
+    assert "cannot replay again" in data["replay_raises"], (data, out)
+    assert code == 0, out  # the worker caught the KeyboardInterrupt; the watchdog did not end it
+    # The abort came ~2 s after the signal; on a GPU the blocked call then
+    # returns, here _hold_gil_for_test blocks its 20 s regardless.
+    line = next(ln for ln in out.splitlines() if "interrupted" in ln and "ago while graph replay" in ln)
+    ago = float(line.split("interrupted ")[1].split(" s ago")[0])
+    assert 1.9 <= ago < 5.0, line
+
+
+def test_ctrl_c_the_script_handles_aborts_nothing(tmp_path):
+    """The script handles SIGINT itself and trains on: the replay pending at the
+    signal completes after it, the next (armed after it) is slow -- nothing is
+    aborted."""
+    code, out, data, _ = _interrupted(tmp_path, "--fault", "close", "--leave-sleep", "4")
+    assert code == 0, out
+    assert data.get("handler_ran") is True, (data, out)
+    assert data["aborted"] is False and data["pending"] == 1, (data, out)
+    assert "Aborting the communicator" not in out, out
 
 
 def test_python_wrapper_disabled_and_lazy():

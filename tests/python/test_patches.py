@@ -70,6 +70,16 @@ def test_every_entry_says_what_why_undo_and_where():
         assert p.undo or p.scope == "read", f"{key}: a change needs its undo"
 
 
+def _wakeup_fd() -> int:
+    """The signal wakeup fd set now (-1: none), left as it is."""
+    import signal
+
+    fd = signal.set_wakeup_fd(-1)
+    if fd != -1:
+        signal.set_wakeup_fd(fd)
+    return fd
+
+
 def test_the_whole_set_applied_and_undone_leaves_torch_as_it_was():
     was_installed = lifetime._installed  # noqa: SLF001
     lifetime.uninstall()
@@ -90,6 +100,7 @@ def test_the_whole_set_applied_and_undone_leaves_torch_as_it_was():
         assert torch.nn.utils.clip_grad_norm_ is clip_route.clip_grad_norm_
         assert script.clip is clip_route.clip_grad_norm_
         assert lifetime.installed()
+        assert _wakeup_fd() != -1  # Ctrl-C reaches the replay watchdogs
         # region scope: applied and undone around a block
         import torch.cuda.random as cuda_random
 
@@ -113,6 +124,7 @@ def test_the_whole_set_applied_and_undone_leaves_torch_as_it_was():
         patches.undo_all()
         sys.modules.pop(script.__name__, None)
     assert patches.applied() == []
+    assert _wakeup_fd() == -1
     assert not _same(before, _torch_as_it_is()), _same(before, _torch_as_it_is())
     assert script.clip is clip_route.ORIGINAL
     if was_installed:

@@ -210,7 +210,9 @@ def build_parts(
     timeout = config.replay_timeout
     if timeout is None:
         timeout = _group_timeout_s(group)
-    watchdog = ReplayWatchdog(timeout if graphs_possible else 0)
+    # Ctrl-C while a replay waits for a peer that took it a step earlier: the
+    # watchdog aborts this group (watchdog.py, interrupt_group)
+    watchdog = ReplayWatchdog(timeout if graphs_possible else 0, interrupt_group=group if cuda else None)
     cache = GraphCache(rank=rank, max_graphs=config.max_graphs,
                        graph_memory_mb=config.graph_memory_mb,
                        pad_batch_to=config.pad_batch_to, pad_value=config.pad_value)

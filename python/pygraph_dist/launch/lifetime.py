@@ -40,12 +40,13 @@ is bounded (2 s, on a native thread): with torch's stock NCCL it blocked for
 good now and then while a graph's all-reduce waited for the exited peer. When
 the abort does not return, or the device still does not drain after it, the
 process ends there with status 1 and says why (``os._exit``: torch's exit
-handlers would wait on the same device). And releasing live graphs at exit
-has a deadline (``PYGRAPH_DIST_EXIT_DEADLINE_S``, 30 s), kept by a native
-thread: past it, the process prints its Python stacks and ends with status 1
--- a graph's destruction once blocked after the drain had succeeded, with the
-peer gone (2xH200). The deadline is cancelled when the release returns, so
-the script's own exit handlers after it are not cut short.
+handlers would wait on the same device). And releasing live graphs at exit,
+once the device has drained, has a deadline (``PYGRAPH_DIST_EXIT_DEADLINE_S``,
+5 s), kept by a native thread: past it, the process prints its Python stacks
+and ends with status 1 -- a graph's destruction blocked for good after the
+drain had succeeded, with the peer gone (2xH200, torch's stock NCCL: 1 run
+in 5 of a sigint repeat loop). The deadline is cancelled when the release
+returns, so the script's own exit handlers after it are not cut short.
 
 :func:`uninstall` puts ``ProcessGroup.shutdown`` back (``pgd.shutdown()``); the
 hook and its undo are ``patches.py``'s (entry ``ProcessGroup.shutdown``).
@@ -98,33 +99,21 @@ def live_engines() -> list:
 
 
 def _at_exit() -> None:
-    """Interpreter exit: release every live graph, within the exit deadline
-    when graphs are alive. The deadline covers this teardown only: exit
-    handlers the script registered before ``wrap()`` run after it, and take
-    the time they need."""
-    deadline = None
-    if any(not getattr(e, "closed", False) for e in live_engines()):
-        limit = exit_deadline_s()
-        if limit > 0:
-            deadline = C.ExitDeadline(limit, (
-                f"pygraph_dist: rank {_rank()}: releasing the graphs at exit has not finished after "
-                f"{limit:.0f} s (it waits on the GPU or on a peer that is gone); ending the process now "
-                f"with exit status {STUCK_EXIT_CODE}. PYGRAPH_DIST_EXIT_DEADLINE_S sets the limit "
-                "(0: none).\n"), STUCK_EXIT_CODE)
-    try:
-        teardown_all()
-    finally:
-        if deadline is not None:
-            deadline.cancel()
+    """Interpreter exit: release every live graph. The drain and the abort
+    before it are bounded on their own; the release after them has the exit
+    deadline. Exit handlers the script registered before ``wrap()`` run after
+    this, and take the time they need."""
+    _release(live_engines(), deadline_s=exit_deadline_s())
 
 
 def exit_deadline_s() -> float:
-    """How long releasing live graphs at exit may take before the process is
-    ended (``PYGRAPH_DIST_EXIT_DEADLINE_S``, 30 s; 0 turns it off)."""
+    """How long releasing live graphs at exit may take, once the device has
+    drained, before the process is ended (``PYGRAPH_DIST_EXIT_DEADLINE_S``,
+    5 s; 0 turns it off)."""
     try:
-        return max(0.0, float(os.environ.get("PYGRAPH_DIST_EXIT_DEADLINE_S", "30")))
+        return max(0.0, float(os.environ.get("PYGRAPH_DIST_EXIT_DEADLINE_S", "5")))
     except ValueError:
-        return 30.0
+        return 5.0
 
 
 def teardown_all() -> None:
@@ -133,14 +122,27 @@ def teardown_all() -> None:
     _release(live_engines())
 
 
-def _release(engines: list) -> None:
+def _release(engines: list, *, deadline_s: float = 0.0) -> None:
+    """Drain the device (aborting the engines' groups if it does not drain),
+    then tear the engines down -- within ``deadline_s`` when > 0 (at exit)."""
     engines = [e for e in engines if not getattr(e, "closed", False)]
     if not engines:
         return
     if not _drain(drain_seconds()):
         _abort_groups(engines)
-    for engine in engines:
-        engine.teardown()
+    deadline = None
+    if deadline_s > 0:
+        deadline = C.ExitDeadline(deadline_s, (
+            f"pygraph_dist: rank {_rank()}: releasing the graphs at exit has not finished after "
+            f"{deadline_s:.0f} s (the device had drained: it waits on a peer that is gone, or on the "
+            f"driver); ending the process now with exit status {STUCK_EXIT_CODE}. "
+            "PYGRAPH_DIST_EXIT_DEADLINE_S sets the limit (0: none).\n"), STUCK_EXIT_CODE)
+    try:
+        for engine in engines:
+            engine.teardown()
+    finally:
+        if deadline is not None:
+            deadline.cancel()
 
 
 def drain_seconds() -> float:
@@ -287,6 +289,8 @@ def install() -> None:
             atexit.register(_at_exit)
             _installed = True
         patches.hook_process_group_shutdown(lambda group: release_for(group), logger)
+        # Ctrl-C reaches the replay watchdogs too (ReplayWatchdog's interrupt_group)
+        patches.watch_interrupt_signals(C.watch_interrupts)
 
 
 def uninstall() -> None:
@@ -297,6 +301,7 @@ def uninstall() -> None:
             atexit.unregister(_at_exit)
             _installed = False
         patches.undo("ProcessGroup.shutdown")
+        patches.undo("signal.wakeup_fd")
 
 
 def installed() -> bool:

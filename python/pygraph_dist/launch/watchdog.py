@@ -17,6 +17,18 @@ prints what it waited for, the ranks' heartbeats and every Python thread's
 stack to stderr, and ends the process with exit code 70 (``EXIT_CODE``);
 torchrun, mpirun and srun then stop the other ranks.
 
+Ctrl-C reaches the ranks a step apart: a rank still inside a replay then waits
+for collectives that its interrupted peer will never launch, in a CUDA call
+where Python cannot raise KeyboardInterrupt (2xH200: 4 of 8 sigint runs of
+test_exit_paths waited 24 s for the departure rule). Python's signal handler
+also reports the signal to the extension (``signal.set_wakeup_fd``, a patch of
+``runtime/patches.py``), and an engine's watchdog, given its group
+(``interrupt_group``), aborts that group once such a replay has made no
+progress for 2 s after the interrupt (or 3 times the longest step seen, if
+longer): the kernels return, Python raises the KeyboardInterrupt, the process
+ends as the script means it to. The message says that this rank's last step is
+incomplete; a replay after the abort raises.
+
 The engine calls ``replay(graphs, label)`` to launch (without the GIL, timed
 as a launch: a launch that blocks on a full queue fires too) and
 ``after_replay(label, collectives=...)`` after an iteration's launches.
@@ -50,6 +62,14 @@ EXIT_CODE: int = C.WATCHDOG_EXIT_CODE  # 70, EX_SOFTWARE
 
 _DEFAULT = object()
 _OPEN: "weakref.WeakSet[ReplayWatchdog]" = weakref.WeakSet()
+
+
+def raise_interrupt_aborted() -> None:
+    raise RuntimeError(
+        "pygraph_dist: this process was interrupted while a graph replay waited for collectives "
+        "that other ranks never launched, and the replay watchdog aborted the communicator: this "
+        "model cannot replay again, and this rank's last step is incomplete. End the process "
+        "(catching KeyboardInterrupt to train on is not possible after such an abort).")
 
 
 @atexit.register
@@ -97,6 +117,7 @@ class ReplayWatchdog:
         heartbeat_s: float | None = None,
         abort_backend=None,
         abort_wait_s: float = 0.0,
+        interrupt_group=None,
     ) -> None:
         self.timeout_s = float(timeout_s)
         self.native = bool(C.cuda_enabled) if native is None else bool(native)
@@ -109,6 +130,7 @@ class ReplayWatchdog:
         self._heartbeat_s = heartbeat_s
         self._abort_backend = abort_backend
         self._abort_wait_s = float(abort_wait_s)
+        self._interrupt_group = interrupt_group
         self._count = 0
         self._closed = False
         self._native: C.ReplayWatchdog | None = None
@@ -147,6 +169,8 @@ class ReplayWatchdog:
             wd, arm_now = self.fused() or (None, False)
         else:
             wd, arm_now = self._ensure_native() if self.enabled and self.native else None, False
+            if wd is not None and wd.interrupt_aborted:
+                raise_interrupt_aborted()
         replay_graphs(graphs, wd, label, collectives or "", arm_now)
         if arm and wd is None:  # the Python-thread watchdog (native=False), or none
             self.after_replay(label, collectives)
@@ -162,6 +186,8 @@ class ReplayWatchdog:
         if not self.native:
             return None
         wd = self._ensure_native()
+        if wd.interrupt_aborted:
+            raise_interrupt_aborted()
         if self._closed:
             return wd, False
         self._count += 1
@@ -236,6 +262,7 @@ class ReplayWatchdog:
                 self.timeout_s, exit_code=EXIT_CODE, poll_s=self.poll_s, context=context,
                 store=store, rank=rank, world_size=world, heartbeat_s=self._heartbeat_s or 0.0,
                 abort_backend=self._abort_backend, abort_wait_s=self._abort_wait_s,
+                interrupt_group=self._interrupt_group,
             )
             _OPEN.add(self)
         return self._native

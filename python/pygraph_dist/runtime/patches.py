@@ -66,6 +66,15 @@ REGISTRY: dict[str, Patch] = {p.key: p for p in (
           "the class's stored attribute set back (pybind11's instancemethod: the bare builtin does not bind "
           "self, d69658d), deleted if inherited", "lifetime.install / uninstall",
           "none: a rebound dist.destroy_process_group missed names imported before wrap() (8a152a3)"),
+    Patch("signal.wakeup_fd", "process",
+          "signal.set_wakeup_fd(the write end of a pipe of ours), where no wakeup fd was set (asyncio's "
+          "loop sets its own while it runs, then puts ours back); the extension reads the signal numbers",
+          "a rank whose main thread waits in a CUDA call for a replayed collective that an interrupted peer "
+          "never launched cannot raise KeyboardInterrupt: the replay watchdog learns of the Ctrl-C this "
+          "way and aborts the communicator (2xH200: 4 of 8 sigint runs waited 24 s or more). Python's C "
+          "signal handler writes each signal's number to the wakeup fd (Modules/signalmodule.c)",
+          "set_wakeup_fd(-1), if ours is still the one set; the pipe and its reader live on, idle",
+          "lifetime.install", "none: the wakeup fd is the public way to learn of a signal outside Python"),
     Patch("functorch.donated_buffer", "process",
           "torch._functorch.config.donated_buffer = False once a compiled model is wrapped",
           "tier 2 captures the compiled backward with retain_graph=True, which donated buffers refuse. Read "
@@ -295,6 +304,44 @@ def hook_process_group_shutdown(before: Callable[[Any], None], logger) -> None:
 
 def process_group_shutdown_hooked() -> bool:
     return getattr(dist.ProcessGroup.shutdown, "_pgd_original", None) is not None
+
+
+# ------------------------------------------ signal.wakeup_fd (process)
+_wakeup_pipe: tuple[int, int] | None = None
+
+
+def watch_interrupt_signals(watch: Callable[[int], None]) -> bool:
+    """Python's signal handler reports SIGINT/SIGTERM to ``watch(read_fd)``'s reader
+    too (``signal.set_wakeup_fd``), until :func:`undo_all`. False, and nothing
+    changed, off the main thread or where a wakeup fd is set already."""
+    global _wakeup_pipe
+    import signal
+
+    with _lock:
+        if "signal.wakeup_fd" in _undo:
+            return True
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        if _wakeup_pipe is None:
+            r, w = os.pipe()
+            os.set_blocking(w, False)  # set_wakeup_fd requires it; a full pipe drops bytes, never blocks
+            _wakeup_pipe = (r, w)
+            watch(r)
+        w = _wakeup_pipe[1]
+        previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        if previous != -1:  # someone else's (asyncio's): theirs stays
+            signal.set_wakeup_fd(previous)
+            return False
+
+        def undo() -> None:
+            if threading.current_thread() is not threading.main_thread():
+                return
+            current = signal.set_wakeup_fd(-1)
+            if current != w:  # replaced meanwhile: put theirs back
+                signal.set_wakeup_fd(current)
+
+        _record("signal.wakeup_fd", undo)
+        return True
 
 
 # -------------------------------------- compile= (process, and reads)
