@@ -94,10 +94,15 @@ ReplayVerdict PendingReplays::check_interrupted(double now, double interrupted_a
   if (pending_.empty() || interrupted_at <= 0.0) {
     return v;
   }
+  // Launched before the interrupt, and no completion seen for after_s since
+  // the later of the interrupt and the last completion. Not "no completion
+  // since the interrupt": the poller sees a completion up to one poll period
+  // late, so the step before the stuck one often reads as completed after it.
   const PendingReplay& head = pending_.front();
-  const double since = any_progress_ ? std::max(head.armed_at, last_progress_) : head.armed_at;
+  const double quiet_since = any_progress_ ? std::max(interrupted_at, last_progress_) : interrupted_at;
   const double after_s = std::max(grace_s, 3.0 * longest_wait_s_);
-  if (since <= interrupted_at && now - interrupted_at > after_s) {
+  if (head.armed_at <= interrupted_at && now - quiet_since > after_s) {
+    const double since = any_progress_ ? std::max(head.armed_at, last_progress_) : head.armed_at;
     v.kind = WaitKind::kReplay;
     v.waited_s = now - since;
     v.replay = head;

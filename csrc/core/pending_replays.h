@@ -93,10 +93,10 @@ class PendingReplays {
   // The same against another bound (the departure grace, a third of the timeout).
   ReplayVerdict check(double now, double after_s) const;
   // After an interrupt at `interrupted_at`: timed out when the oldest pending
-  // replay was already waiting then, the GPU has made no progress since, and
-  // max(grace_s, 3 x longest_wait_s()) has passed since the interrupt. A
-  // replay armed after the interrupt (the script handled it and trains on)
-  // never counts.
+  // replay was armed before it and no replay has completed for
+  // max(grace_s, 3 x longest_wait_s()) since the later of the interrupt and
+  // the last completion seen. A replay armed after the interrupt (the script
+  // handled it and trains on) never counts.
   ReplayVerdict check_interrupted(double now, double interrupted_at, double grace_s) const;
   // The longest a replay has waited for its completion (from the later of its
   // arming and the previous completion), over the replays completed so far.

@@ -306,3 +306,16 @@ TEST(PendingReplays, InterruptWaitsThreeTimesTheLongestStep) {
   EXPECT_FALSE(p.check_interrupted(16.5, 4.5, 2.0).timed_out());  // 12 s after it: not yet
   EXPECT_TRUE(p.check_interrupted(16.6, 4.5, 2.0).timed_out());
 }
+
+TEST(PendingReplays, InterruptCountsFromACompletionSeenLateByThePoller) {
+  // The step before the stuck one completed before the interrupt (1.2), but
+  // the poller saw it at 1.5: still given up, 2 s after that.
+  PendingReplays p(600.0);
+  p.arm("a", "", 0.9);
+  p.arm("b", "", 1.0);  // the stuck one, launched before the interrupt
+  p.complete_oldest(1, 1.5);
+  EXPECT_FALSE(p.check_interrupted(3.4, 1.2, 2.0).timed_out());
+  auto v = p.check_interrupted(3.6, 1.2, 2.0);
+  ASSERT_TRUE(v.timed_out());
+  EXPECT_EQ(v.replay.label, "b");
+}
