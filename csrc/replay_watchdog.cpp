@@ -249,10 +249,22 @@ void ReplayWatchdog::State::abort_for_interrupt(const core::ReplayVerdict& verdi
     write_all("[pygraph_dist watchdog] communicator aborted\n");
     return;
   }
-  char tail[128];
-  std::snprintf(tail, sizeof(tail), "[pygraph_dist watchdog] the abort did not return within %.0f s\n", wait_s);
+  // As lifetime._end_now at exit: nothing else can end this process. Status
+  // 1, an uncaught error's (and torch DDP's ranks' on Ctrl-C on 2xH200), not
+  // the timeout's 70: the user asked it to stop, and it stops.
+  firing.store(true);
+  char tail[256];
+  std::snprintf(tail, sizeof(tail),
+                "[pygraph_dist watchdog] the abort did not return within %.0f s; ending the process "
+                "now with exit status %d\n",
+                wait_s, opts.interrupt_exit_code);
   write_all(tail);
-  fire(verdict);
+  if (opts.dump_python) {
+    write_python_stacks(interp, "[pygraph_dist watchdog] ");
+  }
+  std::fflush(stdout);
+  std::fflush(stderr);
+  _exit(opts.interrupt_exit_code);
 }
 
 void ReplayWatchdog::State::heartbeat_loop() {

@@ -65,9 +65,13 @@ struct ReplayWatchdogOptions {
   // check_interrupted, with interrupt_grace_s), abort this group -- its
   // kernels return, the main thread's CUDA call returns, and Python raises
   // the KeyboardInterrupt -- instead of waiting out the timeout. If the abort
-  // does not return within 2 s (or abort_wait_s), the watchdog fires.
+  // does not return within 2 s (or abort_wait_s) -- on 2xH200 (NCCL 2.28.9)
+  // it never did while a graph's all-reduce waited -- the process ends with
+  // _exit(interrupt_exit_code) (1: an uncaught error's, as the exit teardown's
+  // own last resort ends it).
   c10::intrusive_ptr<c10d::ProcessGroup> interrupt_group;
   double interrupt_grace_s = 2.0;
+  int interrupt_exit_code = 1;
 };
 
 // Interrupts, as Python's signal handler reports them: read_fd is the read end
