@@ -296,7 +296,7 @@ void bind_watchdog(py::module_& m) {
         "Read signal numbers from read_fd (signal.set_wakeup_fd's pipe) on a native thread, once per "
         "process: SIGINT or SIGTERM marks the process interrupted for the replay watchdogs.");
   m.def("interrupted_at", &interrupted_at,
-        "Monotonic seconds of the first SIGINT/SIGTERM watch_interrupts saw; 0.0 when none.");
+        "Monotonic seconds of the latest SIGINT/SIGTERM watch_interrupts saw; 0.0 when none.");
   m.def(
       "abort_group_within",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg, double wait_s) {

@@ -624,8 +624,9 @@ void watch_interrupts(int read_fd) {
       }
       for (ssize_t i = 0; i < n; ++i) {
         if (buf[i] == SIGINT || buf[i] == SIGTERM) {
-          double none = 0.0;  // the first interrupt counts: later ones do not move it
-          g_interrupted_at.compare_exchange_strong(none, mono_now());
+          // The latest: a script that handled an earlier Ctrl-C and trained
+          // on is watched again for this one (replays armed before it).
+          g_interrupted_at.store(mono_now());
         }
       }
     }
