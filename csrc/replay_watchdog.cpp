@@ -243,8 +243,22 @@ void ReplayWatchdog::State::abort_for_interrupt(const core::ReplayVerdict& verdi
             "this CUDA call. Aborting the communicator so that this process can end; this rank's "
             "last step is incomplete (its parameters and optimizer state are not the other ranks': "
             "do not save them).\n");
-  const bool returned = call_within([group = opts.interrupt_group] { group->abort(); }, wait_s);
-  if (returned) {
+  // Done when the abort returns, or when the stuck replay completes (its
+  // kernels saw the abort flag) while the abort waits for the graphs to go.
+  int asked = 0;
+  const auto replay_returned = [&] {
+    std::lock_guard<std::mutex> g(mu);
+    const auto head = pending.oldest();
+    if (!head || head->seq != verdict.replay.seq) {
+      return true;
+    }
+    if (++asked % 5 == 0) {
+      wake.notify_all();  // the poller asks CUDA again now, not in a poll period
+    }
+    return false;
+  };
+  const bool freed = call_within([group = opts.interrupt_group] { group->abort(); }, wait_s, replay_returned);
+  if (freed) {
     interrupt_aborted.store(true);
     write_all("[pygraph_dist watchdog] communicator aborted\n");
     return;
@@ -635,7 +649,7 @@ void watch_interrupts(int read_fd) {
 
 double interrupted_at() { return g_interrupted_at.load(); }
 
-bool call_within(std::function<void()> fn, double wait_s) {
+bool call_within(std::function<void()> fn, double wait_s, const std::function<bool()>& enough) {
   auto done = std::make_shared<std::atomic<bool>>(false);
   std::thread([fn = std::move(fn), done] {
     try {
@@ -646,9 +660,12 @@ bool call_within(std::function<void()> fn, double wait_s) {
   }).detach();
   const double deadline = mono_now() + wait_s;
   while (!done->load() && mono_now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (enough && enough()) {
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  return done->load();
+  return done->load() || (enough && enough());
 }
 
 ExitDeadline::ExitDeadline(double seconds, std::string message, int exit_code)

@@ -64,11 +64,14 @@ struct ReplayWatchdogOptions {
   // replay waits that makes no progress (core::PendingReplays::
   // check_interrupted, with interrupt_grace_s), abort this group -- its
   // kernels return, the main thread's CUDA call returns, and Python raises
-  // the KeyboardInterrupt -- instead of waiting out the timeout. If the abort
-  // does not return within 2 s (or abort_wait_s) -- on 2xH200 (NCCL 2.28.9)
-  // it never did while a graph's all-reduce waited -- the process ends with
-  // _exit(interrupt_exit_code) (1: an uncaught error's, as the exit teardown's
-  // own last resort ends it).
+  // the KeyboardInterrupt -- instead of waiting out the timeout. The abort
+  // counts as done when the stuck replay completes: ncclCommAbort sets the
+  // flag its kernels poll, then waits until every graph that captured the
+  // communicator is destroyed (commDestroySync: localPersistentRefs), which
+  // the exit teardown does next -- on 2xH200 (NCCL 2.28.9) it never returned
+  // while the graphs lived. If neither happens within 2 s (or abort_wait_s),
+  // the process ends with _exit(interrupt_exit_code) (1: an uncaught error's,
+  // as the exit teardown's own last resort ends it).
   c10::intrusive_ptr<c10d::ProcessGroup> interrupt_group;
   double interrupt_grace_s = 2.0;
   int interrupt_exit_code = 1;
@@ -87,8 +90,10 @@ double interrupted_at();
 // references the communicator waits for a peer that is gone) on a detached
 // native thread and waits at most wait_s for it, without the GIL. True when it
 // returned in time; otherwise the thread is left behind and the caller decides
-// (the watchdog and the exit teardown both end the process).
-bool call_within(std::function<void()> fn, double wait_s);
+// (the watchdog and the exit teardown both end the process). `enough`, when
+// given, is asked every 20 ms: true ends the wait early, as a success (the
+// abort freed what the caller waited for, though it has not returned).
+bool call_within(std::function<void()> fn, double wait_s, const std::function<bool()>& enough = {});
 
 // The last resort of an exiting process: a detached native thread that, unless
 // cancel() came first, writes message and every Python thread's stack to

@@ -189,6 +189,42 @@ def native_interrupted(args) -> None:
            interrupted=C.interrupted_at() > 0, replay_raises=replay_raises)
 
 
+def native_interrupted_slow_abort(args) -> None:
+    """Ctrl-C while a host replay armed before it waits, the group's abort never
+    returning, as ncclCommAbort waits for the graphs that captured its
+    communicator. ``--fault leave``: the abort first frees the replay (its
+    kernels saw the abort flag) -- a success, the process goes on. ``--fault
+    stop``: it frees nothing -- the watchdog ends the process with status 1."""
+    import threading
+
+    import torch.distributed as dist
+
+    from pygraph_dist.launch import lifetime
+    from pygraph_dist.launch.watchdog import ReplayWatchdog
+
+    frees = args.fault == "leave"
+
+    class NcclLikeAbort(dist.ProcessGroup):
+        def __init__(self) -> None:
+            super().__init__(0, 1)
+
+        def abort(self) -> None:
+            if frees:
+                native.complete_host()
+            threading.Event().wait()  # until the graphs are gone: never, here
+
+    lifetime.install()
+    group = NcclLikeAbort()
+    wd = ReplayWatchdog(args.replay_timeout, native=True, store=None, poll_s=0.05, interrupt_group=group)
+    native = wd._ensure_native()
+    native.arm_host("[(16, 64) float32] step at iteration 9", "allreduce Float x4688")
+    signal.signal(signal.SIGINT, lambda *a: None)  # the main thread sleeps on, GIL released
+    _write(args.out, 0, pid=os.getpid())
+    print("faults_workers: waiting for the signal", flush=True)
+    time.sleep(args.leave_sleep)
+    _write(args.out, 0, aborted=native.interrupt_aborted, pending=native.pending)
+
+
 def native_completes(args) -> None:
     """Host replays armed and completed for a while: the watchdog must not fire,
     and close() must return promptly."""
@@ -373,7 +409,8 @@ def shutdown_joins(args) -> None:
     _write(args.out, rank, gloo_threads=gloo_threads())
 
 
-CASES = {f.__name__: f for f in (train, native_gil_held, native_interrupted, native_completes, native_heartbeats,
+CASES = {f.__name__: f for f in (train, native_gil_held, native_interrupted, native_interrupted_slow_abort,
+                                 native_completes, native_heartbeats,
                                  mode_capture, shutdown_joins)}
 
 

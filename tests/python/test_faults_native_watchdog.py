@@ -120,10 +120,10 @@ def test_a_rank_that_left_ends_the_wait_before_the_timeout(tmp_path):
     assert took < 60, f"{took:.0f} s: the wait was not ended early\n{out}"
 
 
-def _interrupted(tmp_path, *args: str) -> tuple[int, str, dict, float]:
-    """Start faults_workers' native_interrupted, send it SIGINT once it waits; its
-    exit status, output, JSON, and the seconds from the signal to its exit."""
-    p = _start("native_interrupted", tmp_path, "--replay-timeout", "120", *args)
+def _interrupted(tmp_path, *args: str, case: str = "native_interrupted") -> tuple[int, str, dict, float]:
+    """Start a faults_workers case, send it SIGINT once it waits; its exit
+    status, output, JSON, and the seconds from the signal to its exit."""
+    p = _start(case, tmp_path, "--replay-timeout", "120", *args)
     deadline = time.monotonic() + 60
     while not (tmp_path / "rank0.json").exists() and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -163,6 +163,26 @@ def test_ctrl_c_the_script_handles_aborts_nothing(tmp_path):
     assert data.get("handler_ran") is True, (data, out)
     assert data["aborted"] is False and data["pending"] == 1, (data, out)
     assert "Aborting the communicator" not in out, out
+
+
+def test_an_abort_that_waits_for_the_graphs_counts_once_the_replay_returns(tmp_path):
+    """ncclCommAbort sets the flag its kernels poll, then waits until the graphs
+    that captured the communicator are destroyed (2xH200: it never returned
+    while they lived). The stuck replay completing is the abort's success: the
+    process goes on to raise the interrupt and release its graphs."""
+    code, out, data, _ = _interrupted(tmp_path, "--fault", "leave", "--leave-sleep", "6",
+                                      case="native_interrupted_slow_abort")
+    assert code == 0, out
+    assert "communicator aborted" in out and "ending the process" not in out, out
+    assert data["aborted"] is True and data["pending"] == 0, (data, out)
+
+
+def test_an_abort_that_frees_nothing_ends_the_process_with_status_1(tmp_path):
+    code, out, data, took = _interrupted(tmp_path, "--fault", "stop", "--leave-sleep", "30",
+                                         case="native_interrupted_slow_abort")
+    assert code == 1, out
+    assert "the abort did not return within 2 s; ending the process now with exit status 1" in out, out
+    assert "aborted" not in data and took < 15, (data, took, out)
 
 
 def test_python_wrapper_disabled_and_lazy():

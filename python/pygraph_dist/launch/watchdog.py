@@ -27,10 +27,12 @@ also reports the signal to the extension (``signal.set_wakeup_fd``, a patch of
 progress for 2 s after the interrupt (or 3 times the longest step seen, if
 longer): the kernels return, Python raises the KeyboardInterrupt, the process
 ends as the script means it to. The message says that this rank's last step is
-incomplete; a replay after the abort raises. Where the abort itself blocks (on
-2xH200 with NCCL 2.28.9 it did, every time, while a graph's all-reduce
-waited), the process ends 2 s later with status 1, as the exit teardown's own
-last resort ends it: about 6 s after the Ctrl-C.
+incomplete; a replay after the abort raises. ``ncclCommAbort`` returns only
+once every graph that captured the communicator is destroyed (on 2xH200,
+NCCL 2.28.9, it never returned while they lived), so the abort counts as done
+when the waiting replay completes; the exit's release of the graphs lets it
+finish. Where neither happens within 2 s, the process ends with status 1, as
+the exit teardown's own last resort ends it: about 6 s after the Ctrl-C.
 
 The engine calls ``replay(graphs, label)`` to launch (without the GIL, timed
 as a launch: a launch that blocks on a full queue fires too) and
