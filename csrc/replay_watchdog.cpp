@@ -86,6 +86,20 @@ void write_python_stacks(PyInterpreterState* interp, const std::string& prefix) 
   }
 }
 
+// The end of a process nothing else can end: message, then (stacks) every
+// Python thread's stack, then _exit -- not exit: atexit handlers and static
+// destructors would run while the main thread is stuck in a CUDA or NCCL call.
+[[noreturn]] void end_process(const std::string& message, bool stacks, PyInterpreterState* interp,
+                              const std::string& prefix, int exit_code) {
+  write_all(message);
+  if (stacks) {
+    write_python_stacks(interp, prefix);
+  }
+  std::fflush(stdout);
+  std::fflush(stderr);
+  _exit(exit_code);
+}
+
 }  // namespace
 
 // One armed replay as the threads see it: core::PendingReplays holds its
@@ -228,15 +242,11 @@ void ReplayWatchdog::State::judge_loop() {
 }
 
 void ReplayWatchdog::State::abort_for_interrupt(const core::ReplayVerdict& verdict, double interrupted_s) {
-  std::string context = opts.context;
-  if (context.empty()) {
-    context = "rank " + std::to_string(opts.rank) + " of " + std::to_string(opts.world_size);
-  }
   const double wait_s = opts.abort_wait_s > 0.0 ? opts.abort_wait_s : 2.0;
   char head[256];
   std::snprintf(head, sizeof(head),
                 "[pygraph_dist watchdog] %s: interrupted %.1f s ago while graph replay #%llu ",
-                context.c_str(), interrupted_s, static_cast<unsigned long long>(verdict.replay.seq));
+                opts.context.c_str(), interrupted_s, static_cast<unsigned long long>(verdict.replay.seq));
   write_all(std::string(head) + verdict.replay.label +
             " waits for its collectives, with no progress since: the ranks interrupted before they "
             "launched them will not launch them now, and Python cannot raise the interrupt inside "
@@ -272,13 +282,7 @@ void ReplayWatchdog::State::abort_for_interrupt(const core::ReplayVerdict& verdi
                 "[pygraph_dist watchdog] the abort did not return within %.0f s; ending the process "
                 "now with exit status %d\n",
                 wait_s, opts.interrupt_exit_code);
-  write_all(tail);
-  if (opts.dump_python) {
-    write_python_stacks(interp, "[pygraph_dist watchdog] ");
-  }
-  std::fflush(stdout);
-  std::fflush(stderr);
-  _exit(opts.interrupt_exit_code);
+  end_process(tail, opts.dump_python, interp, "[pygraph_dist watchdog] ", opts.interrupt_exit_code);
 }
 
 void ReplayWatchdog::State::heartbeat_loop() {
@@ -408,12 +412,8 @@ double ReplayWatchdog::State::departure_grace_s() const {
 
 void ReplayWatchdog::State::fire(const core::ReplayVerdict& verdict, const std::vector<int>& departed) {
   firing.store(true);
-  std::string context = opts.context;
-  if (context.empty()) {
-    context = "rank " + std::to_string(opts.rank) + " of " + std::to_string(opts.world_size);
-  }
   const std::string liveness_text = describe_liveness();
-  write_all(core::describe_timeout(verdict, opts.timeout_s, context, liveness_text, opts.exit_code, departed));
+  write_all(core::describe_timeout(verdict, opts.timeout_s, opts.context, liveness_text, opts.exit_code, departed));
 
   if (opts.dump_python) {
     write_python_stacks(interp, "[pygraph_dist watchdog] ");
@@ -445,6 +445,9 @@ ReplayWatchdog::ReplayWatchdog(ReplayWatchdogOptions options) {
   TORCH_CHECK(options.world_size >= 1 && options.rank >= 0 && options.rank < options.world_size,
               "ReplayWatchdog: need 0 <= rank < world_size, got rank ", options.rank,
               " of ", options.world_size);
+  if (options.context.empty()) {
+    options.context = "rank " + std::to_string(options.rank) + " of " + std::to_string(options.world_size);
+  }
   state_ = std::make_shared<State>(std::move(options));
   State& s = *state_;
   s.poll_s = s.opts.poll_s > 0.0 ? s.opts.poll_s
@@ -684,11 +687,7 @@ ExitDeadline::ExitDeadline(double seconds, std::string message, int exit_code)
     if (cancelled->load()) {
       return;
     }
-    write_all(message);
-    write_python_stacks(interp, "[pygraph_dist] ");
-    std::fflush(stdout);
-    std::fflush(stderr);
-    _exit(exit_code);
+    end_process(message, true, interp, "[pygraph_dist] ", exit_code);
   }).detach();
 }
 

@@ -81,8 +81,9 @@ struct ReplayWatchdogOptions {
 // of the pipe whose write end is signal.set_wakeup_fd's (runtime/patches.py).
 // A native thread (started once) reads the signal numbers; SIGINT and SIGTERM
 // mark the process interrupted (interrupted_at(): monotonic seconds of the
-// latest, 0 when none). Python cannot raise KeyboardInterrupt while its main thread waits in a
-// CUDA call for a replayed collective: this is how the watchdog learns of it.
+// latest, 0 when none). Python cannot raise KeyboardInterrupt while its main
+// thread waits in a CUDA call for a replayed collective: this is how the
+// watchdog learns of it.
 void watch_interrupts(int read_fd);
 double interrupted_at();
 

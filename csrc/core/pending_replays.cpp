@@ -49,9 +49,7 @@ void PendingReplays::complete_oldest(uint64_t seq, double now) {
   if (pending_.empty() || pending_.front().seq != seq) {
     return;
   }
-  const double since = any_progress_ ? std::max(pending_.front().armed_at, last_progress_)
-                                     : pending_.front().armed_at;
-  longest_wait_s_ = std::max(longest_wait_s_, now - since);
+  longest_wait_s_ = std::max(longest_wait_s_, now - progress_after(pending_.front().armed_at));
   pending_.pop_front();
   ++completed_;
   last_progress_ = now;
@@ -67,10 +65,7 @@ ReplayVerdict PendingReplays::check(double now, double after_s) const {
   v.completed = completed_;
   if (!pending_.empty()) {
     const PendingReplay& head = pending_.front();
-    double since = head.armed_at;
-    if (any_progress_ && last_progress_ > since) {
-      since = last_progress_;
-    }
+    const double since = progress_after(head.armed_at);
     if (now - since > after_s) {
       v.kind = WaitKind::kReplay;
       v.waited_s = now - since;
@@ -99,12 +94,10 @@ ReplayVerdict PendingReplays::check_interrupted(double now, double interrupted_a
   // since the interrupt": the poller sees a completion up to one poll period
   // late, so the step before the stuck one often reads as completed after it.
   const PendingReplay& head = pending_.front();
-  const double quiet_since = any_progress_ ? std::max(interrupted_at, last_progress_) : interrupted_at;
   const double after_s = std::max(grace_s, 3.0 * longest_wait_s_);
-  if (head.armed_at <= interrupted_at && now - quiet_since > after_s) {
-    const double since = any_progress_ ? std::max(head.armed_at, last_progress_) : head.armed_at;
+  if (head.armed_at <= interrupted_at && now - progress_after(interrupted_at) > after_s) {
     v.kind = WaitKind::kReplay;
-    v.waited_s = now - since;
+    v.waited_s = now - progress_after(head.armed_at);
     v.replay = head;
   }
   return v;

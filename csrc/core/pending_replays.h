@@ -36,6 +36,7 @@
 //     of this process has needed so far (a slow step is not given up on).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <optional>
@@ -111,6 +112,10 @@ class PendingReplays {
   bool launching() const { return launch_.has_value(); }
 
  private:
+  // The later of t and the last completion seen: when a wait that began at t
+  // last saw the GPU make progress.
+  double progress_after(double t) const { return any_progress_ ? std::max(t, last_progress_) : t; }
+
   double timeout_s_;
   std::deque<PendingReplay> pending_;
   std::optional<PendingReplay> launch_;

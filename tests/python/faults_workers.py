@@ -135,6 +135,20 @@ def native_gil_held(args) -> None:
     print("faults_workers: NOT REACHED", flush=True)
 
 
+def _interrupt_watchdog(args, group):
+    """The interrupt cases' start: the wakeup fd (as the first wrap() installs
+    it), an engine-like native watchdog given ``group``, one host replay armed
+    before the signal. Returns the Python watchdog and its native one."""
+    from pygraph_dist.launch import lifetime
+    from pygraph_dist.launch.watchdog import ReplayWatchdog
+
+    lifetime.install()
+    wd = ReplayWatchdog(args.replay_timeout, native=True, store=None, poll_s=0.05, interrupt_group=group)
+    native = wd._ensure_native()
+    native.arm_host("[(16, 64) float32] step at iteration 9", "allreduce Float x4688")
+    return wd, native
+
+
 def native_interrupted(args) -> None:
     """Ctrl-C while a host replay waits (armed before it) and the main thread is
     blocked with the GIL held, as in float(loss) waiting for a peer's collective:
@@ -145,16 +159,10 @@ def native_interrupted(args) -> None:
     the script handled the Ctrl-C and trains on, so nothing is aborted."""
     import torch.distributed as dist
 
-    from pygraph_dist.launch import lifetime
-    from pygraph_dist.launch.watchdog import ReplayWatchdog
     from pygraph_dist.runtime._ext import C
 
     dist.init_process_group("gloo", init_method=f"file://{Path(args.out, 'store')}", rank=0, world_size=1)
-    lifetime.install()  # the wakeup fd, as the first wrap() installs it
-    wd = ReplayWatchdog(args.replay_timeout, native=True, store=None, poll_s=0.05,
-                        interrupt_group=dist.group.WORLD)
-    native = wd._ensure_native()
-    native.arm_host("[(16, 64) float32] step at iteration 9", "allreduce Float x4688")
+    wd, native = _interrupt_watchdog(args, dist.group.WORLD)
     handled = args.fault == "close"
     if handled:  # the script's own handler: it stops at the next checkpoint, say
         signal.signal(signal.SIGINT, lambda *a: _write(args.out, 0, handler_ran=True))
@@ -199,9 +207,6 @@ def native_interrupted_slow_abort(args) -> None:
 
     import torch.distributed as dist
 
-    from pygraph_dist.launch import lifetime
-    from pygraph_dist.launch.watchdog import ReplayWatchdog
-
     frees = args.fault == "leave"
 
     class NcclLikeAbort(dist.ProcessGroup):
@@ -213,11 +218,7 @@ def native_interrupted_slow_abort(args) -> None:
                 native.complete_host()
             threading.Event().wait()  # until the graphs are gone: never, here
 
-    lifetime.install()
-    group = NcclLikeAbort()
-    wd = ReplayWatchdog(args.replay_timeout, native=True, store=None, poll_s=0.05, interrupt_group=group)
-    native = wd._ensure_native()
-    native.arm_host("[(16, 64) float32] step at iteration 9", "allreduce Float x4688")
+    _, native = _interrupt_watchdog(args, NcclLikeAbort())
     signal.signal(signal.SIGINT, lambda *a: None)  # the main thread sleeps on, GIL released
     _write(args.out, 0, pid=os.getpid())
     print("faults_workers: waiting for the signal", flush=True)
