@@ -44,24 +44,28 @@ def cuda_count() -> int:
 
 # The CPU tests that take longest on the 2-core CI machine (--durations), by
 # node id prefix, slowest first. In pytest-xdist workers (tests/run-all.sh) they
-# are started first, so that the run does not end on one of them alone.
+# are started first, each worker its share (_dealt), so that the run does not
+# end on one of them alone.
 SLOWEST_FIRST = (
+    "tests/python/test_launch_and_tools.py::test_sweep_runs_each_variant_with_its_settings",
     "tests/python/test_faults_exit_stress.py::test_exits_never_abort",
+    "tests/python/test_launch_and_tools.py::test_benchmark_harness_smoke",
     "tests/python/test_host_cost.py::test_host_cost_ab_alternates_base_and_this_tree",
     "tests/python/test_ecosystem_scripts.py::test_bench_scripts_smoke",
-    "tests/python/test_launch_and_tools.py::test_benchmark_harness_smoke",
-    "tests/python/test_launch_and_tools.py::test_sweep_runs_each_variant_with_its_settings",
     "tests/python/test_ecosystem_scripts.py::test_imagenet_checkpoint_resume",
-    "tests/python/test_launch_env.py::test_a_launch_whose_port_was_taken",
+    "tests/python/test_coverage_corpus.py::test_two_cpu_ranks_write_rows_table_and_plot",
+    "tests/python/test_multihost.py::",
+    "tests/python/test_integration_lightning.py::test_benchmark_smoke_cpu",
+    "tests/python/test_ecosystem_scripts.py::test_imagenet_reference_with_pgd",
+    "tests/python/test_host_cost.py::test_host_cost_ab_keeps_the_rounds",
+    "tests/python/test_coverage_corpus.py::test_list_and_model_filter",
     "tests/python/test_docs.py::test_docs_build_strict",
+    "tests/python/test_launch_env.py::test_mpirun_two_ranks",
+    "tests/python/test_integration_hf.py::test_bench_hf_smoke",
+    "tests/python/test_launch_env.py::test_a_launch_whose_port_was_taken",
     "tests/python/test_host_cost.py::test_host_cost_smoke",
     "tests/python/test_compile.py::test_compile_option_trains_like_ddp_on_cpu",
     "tests/python/test_cpu_training.py::test_reducer_matches_ddp",
-    "tests/python/test_host_cost.py::test_host_cost_ab_keeps_the_rounds",
-    "tests/python/test_integration_lightning.py::test_benchmark_smoke_cpu",
-    "tests/python/test_coverage_corpus.py::test_two_cpu_ranks_write_rows_table_and_plot",
-    "tests/python/test_ecosystem_scripts.py::test_imagenet_reference_with_pgd",
-    "tests/python/test_multihost.py::",
 )
 
 
@@ -70,9 +74,35 @@ def _slow_rank(item) -> int:  # node ids are relative to the repository root (py
                 len(SLOWEST_FIRST))
 
 
+def _dealt(items: list, workers: int) -> list:
+    """The order pytest-xdist's work stealing should see: it hands worker i the
+    i-th of ``workers`` contiguous blocks (sizes as below), and a worker that
+    runs dry steals from the end of another's block. So the slow tests are dealt
+    round-robin to the blocks' starts, slowest first: sorted into one list they
+    all went to the first block and ran one after another on one worker (the
+    others stole its fast tail), the run ending on that worker. The other tests
+    keep their order and fill the blocks, so a module's tests mostly stay on one
+    worker, with its rank servers."""
+    slow = sorted((it for it in items if _slow_rank(it) < len(SLOWEST_FIRST)), key=_slow_rank)
+    rest = [it for it in items if _slow_rank(it) == len(SLOWEST_FIRST)]
+    blocks: list[list] = [[] for _ in range(workers)]
+    for i, item in enumerate(slow):
+        blocks[i % workers].append(item)
+    left, pos = len(items), 0
+    for i, block in enumerate(blocks):  # xdist: worker i gets len(pending) // (workers - i) of what is left
+        size = left // (workers - i)
+        left -= size
+        take = max(0, size - len(block))
+        block.extend(rest[pos:pos + take])
+        pos += take
+    blocks[-1].extend(rest[pos:])
+    return [item for block in blocks for item in block]
+
+
+@pytest.hookimpl(trylast=True)  # after -m/-k deselected: the blocks are of what runs
 def pytest_collection_modifyitems(config, items):
-    if hasattr(config, "workerinput"):  # a pytest-xdist worker: every worker sorts alike
-        items.sort(key=_slow_rank)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: every worker orders alike
+        items[:] = _dealt(items, int(config.workerinput.get("workercount", 1)))
     n = cuda_count()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_multi = pytest.mark.skip(reason=f"needs 2 CUDA GPUs, {n} visible")
