@@ -67,7 +67,8 @@ fi
 # GPU tests alone (tests/run_sharded.py says why). Few cores (the 2-core CI
 # machine): the CPU tests in nproc+1 pytest-xdist workers, which live for the
 # whole run (each keeps its rank servers: tests/python/rank_server.py), then the
-# GPU tests alone. A CPU test's ranks often wait (rendezvous, a peer, a
+# GPU tests alone where CUDA is (without it they are skipped among the CPU
+# tests). A CPU test's ranks often wait (rendezvous, a peer, a
 # subprocess's start), so one worker more than cores keeps the cores busy.
 # PGD_TEST_JOBS=1: one pytest.
 jobs="${PGD_TEST_JOBS:-$(( $(nproc) / 4 > 8 ? 8 : $(nproc) / 4 ))}"
@@ -78,16 +79,26 @@ if [ "$#" -eq 0 ] && [ "$jobs" -gt 1 ]; then
   "$PY" tests/run_sharded.py --jobs "$jobs" || rc=$?
 elif [ "$#" -eq 0 ] && [ "${PGD_TEST_JOBS:-0}" != 1 ] && [ "$workers" -gt 1 ] \
     && "$PY" -c "import xdist" 2>/dev/null; then
-  echo "== Python (pytest): CPU tests in $workers workers (PGD_TEST_WORKERS; one pytest: PGD_TEST_JOBS=1)" >&2
+  # Without CUDA the GPU tests are only skipped (each with its reason): they are
+  # collected with the CPU tests, which saves a second pytest's start.
+  if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    cpu_marks=(-m "not gpu and not multigpu") gpu_alone=1
+    echo "== Python (pytest): CPU tests in $workers workers (PGD_TEST_WORKERS; one pytest: PGD_TEST_JOBS=1)" >&2
+  else
+    cpu_marks=() gpu_alone=0
+    echo "== Python (pytest): CPU tests in $workers workers (PGD_TEST_WORKERS; one pytest: PGD_TEST_JOBS=1); no CUDA here, so the GPU tests are skipped among them" >&2
+  fi
   cpu_rc=0
   # --durations: where the command's time goes, in every CI log (issue 48, item 6)
-  "$PY" -m pytest tests/python -ra -n "$workers" --dist worksteal -m "not gpu and not multigpu" \
+  "$PY" -m pytest tests/python -ra -n "$workers" --dist worksteal "${cpu_marks[@]}" \
     --durations=25 || cpu_rc=$?
   [ $cpu_rc = 5 ] && cpu_rc=0  # no test selected
-  echo "== Python (pytest): GPU tests (-m 'gpu or multigpu'), alone" >&2
   gpu_rc=0
-  "$PY" -m pytest tests/python -ra -m "gpu or multigpu" || gpu_rc=$?
-  [ $gpu_rc = 5 ] && gpu_rc=0
+  if [ $gpu_alone = 1 ]; then
+    echo "== Python (pytest): GPU tests (-m 'gpu or multigpu'), alone" >&2
+    "$PY" -m pytest tests/python -ra -m "gpu or multigpu" || gpu_rc=$?
+    [ $gpu_rc = 5 ] && gpu_rc=0
+  fi
   [ $cpu_rc = 0 ] || rc=$cpu_rc
   [ $rc != 0 ] || rc=$gpu_rc
 else
