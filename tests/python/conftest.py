@@ -83,8 +83,9 @@ def _dealt(items: list, workers: int) -> list:
     others stole its fast tail), the run ending on that worker. The other tests
     keep their order and fill the blocks, so a module's tests mostly stay on one
     worker, with its rank servers."""
-    slow = sorted((it for it in items if _slow_rank(it) < len(SLOWEST_FIRST)), key=_slow_rank)
-    rest = [it for it in items if _slow_rank(it) == len(SLOWEST_FIRST)]
+    ranked = [(_slow_rank(it), it) for it in items]
+    slow = [it for _, it in sorted((r for r in ranked if r[0] < len(SLOWEST_FIRST)), key=lambda r: r[0])]
+    rest = [it for rank, it in ranked if rank == len(SLOWEST_FIRST)]
     blocks: list[list] = [[] for _ in range(workers)]
     for i, item in enumerate(slow):
         blocks[i % workers].append(item)

@@ -82,17 +82,13 @@ def overhead_ns(samples: int = 20000, rounds: int = 5) -> float:
     wrapped = timed("__calibration__")(empty)
     per_round = max(1, samples // rounds)
 
-    def fastest(fn) -> int:
-        best = None
-        for _ in range(rounds):
-            t0 = perf_counter_ns()
-            for _ in range(per_round):
-                fn()
-            took = perf_counter_ns() - t0
-            best = took if best is None else min(best, took)
-        return best
+    def one_pass(fn) -> int:
+        t0 = perf_counter_ns()
+        for _ in range(per_round):
+            fn()
+        return perf_counter_ns() - t0
 
-    bare = fastest(empty)
-    spanned = fastest(wrapped)
+    bare = min(one_pass(empty) for _ in range(rounds))
+    spanned = min(one_pass(wrapped) for _ in range(rounds))
     _totals.pop("__calibration__", None)
     return max(0.0, (spanned - bare) / per_round)
