@@ -193,12 +193,34 @@ export PY PGD_ROOT
 "$PY" -m pip --version >/dev/null 2>&1 || die "$PY has no pip (neither its own nor its base environment's): install pip there"
 
 pip_log=$(mktemp)
-pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" >"$pip_log" 2>&1; }
+# Byte-compiling: pip compiles every module of a package as it installs it, one
+# file after another, while nothing else runs (torch: 31 of its 43 s to install
+# on the 2-core CI machine; lightning, transformers and accelerate: 17 of 51).
+# So packages are installed without (--no-compile), and compileall writes the
+# same .pyc files beside the next installs, on the other core. Nothing imports
+# a package before its compile has finished (bytecompile_wait): where
+# PYTHONDONTWRITEBYTECODE is set (it is on the CI machine) a module without its
+# .pyc is compiled again by every process that imports it.
+purelib=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+compile_pid="" installed=0
+bytecompile_bg() {  # compile what the installs so far left uncompiled (compileall skips the rest)
+  bytecompile_wait
+  [ $installed = 1 ] || return 0  # an environment used as it is gets no new files
+  "$PY" -m compileall -q -j "${1:-1}" "$purelib" >/dev/null 2>&1 &
+  compile_pid=$!
+}
+bytecompile_wait() {  # a file compileall cannot compile is only imported without a .pyc (as pip leaves it)
+  [ -n "$compile_pid" ] || return 0
+  wait "$compile_pid" || true
+  compile_pid=""
+}
+pip_install() { installed=1; "$PY" -m pip install -q --disable-pip-version-check --no-compile "$@" >"$pip_log" 2>&1; }
 pip_error() { grep -iE "error" "$pip_log" | tail -n 2 | tr '\n' ' '; }
 if ! torch_ok "$PY"; then
   say "installing torch==$TORCH_PIN"
   pip_install "torch==$TORCH_PIN" || die "could not install torch==$TORCH_PIN: $(pip_error). Install torch >= 2.11 into a Python and run again with PGD_PYTHON=<that python>"
 fi
+bytecompile_bg
 
 # module:package lists of what is missing.
 missing() {
@@ -338,9 +360,11 @@ if [ -n "$mpich_pid" ]; then
   [ -d "$VENV/mpich-mpi4py/mpi4py" ] || rm -rf "$VENV/mpich-mpi4py"
 fi
 rm -f "$pip_log"
+bytecompile_bg 0  # the installs since torch, on every core; then torch is imported
 
 say "building pygraph_dist against $("$PY" -c 'import torch; print("torch", torch.__version__)')"
 ( cd "$PGD_ROOT" && "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps . )
+bytecompile_wait
 "$PY" -c "import pygraph_dist as p; ok, why = p.graphs_available(); print('[setup] pygraph_dist', p.__version__, '- graphs available' if ok else '- ' + why)" >&2
 
 # pygraph-launch, torchrun and python with pygraph_dist are in $VENV/bin, which
