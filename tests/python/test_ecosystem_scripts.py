@@ -20,8 +20,10 @@ evaluation loop replayed as graphs.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -176,10 +178,36 @@ def test_gpt_pretrain_with_pgd_trains_like_ddp_on_cpu(tmp_path):
     assert "evaluation (no grad)" in text and "precision:" in text, text
 
 
-def test_imagenet_reference_with_pgd_trains_like_ddp_on_cpu(tmp_path):
-    args = IMAGENET_SMALL + ["--epochs", "2"]
-    runs = _runs(tmp_path, "imagenet_ref.py", args, world_size=2, timeout=240, spawn=True)
-    (ddp, ddp_dir), (pgd, pgd_dir) = runs["ddp"], runs["pgd"]
+@pytest.fixture(scope="session")
+def imagenet_two_epochs(request, tmp_path_factory):
+    """The ImageNet script's 2-epoch run in a mode, made once per pytest session
+    (pytest-xdist's workers included) and checked by two tests: the reference
+    test (pgd against DDP) and the resume test (the checkpoint it leaves). Each
+    run is 3 new Pythons (the launcher and its mp.spawn ranks), 14 CPU-s on the
+    2-core CI machine. A run that fails is made again by the next test that asks."""
+    xdist_worker = hasattr(request.config, "workerinput")
+    # pytest-xdist's workers share their basetemp's parent (one per pytest session).
+    root = tmp_path_factory.getbasetemp().parent if xdist_worker else tmp_path_factory.mktemp("shared")
+    root = root / "imagenet_two_epochs"
+    root.mkdir(exist_ok=True)
+
+    def run(mode: str) -> tuple[list[dict], Path]:
+        out = root / mode
+        with open(root / f"{mode}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another worker making it: wait for its result
+            done = out / "results.json"
+            if not done.exists():
+                shutil.rmtree(out, ignore_errors=True)
+                results = run_script("imagenet_ref.py", IMAGENET_SMALL + ["--mode", mode, "--epochs", "2"], out,
+                                     world_size=2, timeout=240, spawn=True)
+                done.write_text(json.dumps(results))
+            return json.loads(done.read_text()), out
+
+    return run
+
+
+def test_imagenet_reference_with_pgd_trains_like_ddp_on_cpu(imagenet_two_epochs):
+    (ddp, ddp_dir), (pgd, pgd_dir) = imagenet_two_epochs("ddp"), imagenet_two_epochs("pgd")
     for r in range(2):
         assert len(pgd[r]["steps"]) == 2 * 4  # 128 samples / 2 ranks / 16 per rank, 2 epochs
         got, want = [s[0] for s in pgd[r]["steps"]], [s[0] for s in ddp[r]["steps"]]
@@ -203,16 +231,14 @@ def test_imagenet_reference_with_pgd_trains_like_ddp_on_cpu(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["pgd", "ddp"])
-def test_imagenet_checkpoint_resume_continues_the_uninterrupted_run(tmp_path, mode):
+def test_imagenet_checkpoint_resume_continues_the_uninterrupted_run(tmp_path, mode, imagenet_two_epochs):
     """3 epochs in one go; 2 epochs, then --resume from their checkpoint for the
     third: the same parameters, buffers and per-step losses (DDP: the control)."""
     base = IMAGENET_SMALL + ["--mode", mode]
     full = run_script("imagenet_ref.py", base + ["--epochs", "3"], tmp_path / "full", world_size=2,
                       timeout=240, spawn=True)
-    run_script("imagenet_ref.py", base + ["--epochs", "2"], tmp_path / "part", world_size=2, timeout=240,
-               spawn=True)
-    resumed = run_script("imagenet_ref.py", base + ["--epochs", "3", "--resume",
-                                                    str(tmp_path / "part" / "checkpoint.pth.tar")],
+    _, part = imagenet_two_epochs(mode)
+    resumed = run_script("imagenet_ref.py", base + ["--epochs", "3", "--resume", str(part / "checkpoint.pth.tar")],
                          tmp_path / "resumed", world_size=2, timeout=240, spawn=True)
     for r in range(2):
         assert resumed[r]["resumed"] and len(resumed[r]["steps"]) == 4
