@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -390,3 +391,33 @@ def ranks(tmp_path):
     def run(case: str, **kwargs):
         return run_ranks(case, tmp_path, **kwargs)
     return run
+
+
+@pytest.fixture(scope="session")
+def made_once(request, tmp_path_factory):
+    """``made_once(key, make)``: ``make(out_dir)``'s JSON result and ``out_dir``,
+    made once per pytest session for every test that checks the same run (a
+    script run is several new Pythons, seconds each on the 2-core CI machine).
+    In pytest-xdist's workers too: they share their basetemp's parent, where a
+    lock file per key makes the others wait for the first one's result (a
+    module- or session-scoped fixture would be made once per worker). A
+    ``make`` that raises is tried again by the next test that asks."""
+    if hasattr(request.config, "workerinput"):
+        root = tmp_path_factory.getbasetemp().parent / "made_once"
+        root.mkdir(exist_ok=True)
+    else:
+        root = tmp_path_factory.mktemp("made_once")
+
+    def get(key: str, make):
+        out = root / key
+        with open(root / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            done = root / f"{key}.json"
+            if not done.exists():
+                shutil.rmtree(out, ignore_errors=True)
+                out.mkdir()
+                result = make(out)
+                done.write_text(json.dumps(result))
+            return json.loads(done.read_text()), out
+
+    return get

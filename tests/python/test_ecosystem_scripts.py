@@ -20,10 +20,8 @@ evaluation loop replayed as graphs.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -178,31 +176,16 @@ def test_gpt_pretrain_with_pgd_trains_like_ddp_on_cpu(tmp_path):
     assert "evaluation (no grad)" in text and "precision:" in text, text
 
 
-@pytest.fixture(scope="session")
-def imagenet_two_epochs(request, tmp_path_factory):
-    """The ImageNet script's 2-epoch run in a mode, made once per pytest session
-    (pytest-xdist's workers included) and checked by two tests: the reference
-    test (pgd against DDP) and the resume test (the checkpoint it leaves). Each
-    run is 3 new Pythons (the launcher and its mp.spawn ranks), 14 CPU-s on the
-    2-core CI machine. A run that fails is made again by the next test that asks."""
-    xdist_worker = hasattr(request.config, "workerinput")
-    # pytest-xdist's workers share their basetemp's parent (one per pytest session).
-    root = tmp_path_factory.getbasetemp().parent if xdist_worker else tmp_path_factory.mktemp("shared")
-    root = root / "imagenet_two_epochs"
-    root.mkdir(exist_ok=True)
-
+@pytest.fixture
+def imagenet_two_epochs(made_once):
+    """The ImageNet script's 2-epoch run in a mode, made once per session and
+    checked by two tests: the reference test (pgd against DDP) and the resume
+    test (from the checkpoint it leaves). Each run is 3 new Pythons (the
+    launcher and its mp.spawn ranks)."""
     def run(mode: str) -> tuple[list[dict], Path]:
-        out = root / mode
-        with open(root / f"{mode}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another worker making it: wait for its result
-            done = out / "results.json"
-            if not done.exists():
-                shutil.rmtree(out, ignore_errors=True)
-                results = run_script("imagenet_ref.py", IMAGENET_SMALL + ["--mode", mode, "--epochs", "2"], out,
-                                     world_size=2, timeout=240, spawn=True)
-                done.write_text(json.dumps(results))
-            return json.loads(done.read_text()), out
-
+        return made_once(f"imagenet_two_epochs_{mode}", lambda out: run_script(
+            "imagenet_ref.py", IMAGENET_SMALL + ["--mode", mode, "--epochs", "2"], out, world_size=2,
+            timeout=240, spawn=True))
     return run
 
 

@@ -262,15 +262,19 @@ def _stop(procs: list[subprocess.Popen], grace: float = 10) -> None:
             p.wait()
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The same 4 ranks on one host (torchrun's variables, loopback): the bits to match."""
-    out = tmp_path_factory.mktemp("one-host")
+def _one_host(out: Path) -> list[dict]:
     port = str(free_port())
     jobs = [(f"rank{r}", _worker(out), _env(RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r),
                                            LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
             for r in range(WORLD)]
-    results = _launch(jobs, out)
+    return _launch(jobs, out)
+
+
+@pytest.fixture
+def reference(made_once):
+    """The same 4 ranks on one host (torchrun's variables, loopback): the bits to
+    match. Made once per session (4 new Pythons), for every launcher's test."""
+    results, _ = made_once("multihost_one_host", _one_host)
     assert [r["rank"] for r in results] == list(range(WORLD))
     assert len({r["params_sha256"] for r in results}) == 1, "ranks disagree on one host"
     return results
