@@ -172,12 +172,16 @@ CPU_ENDS = sorted(ENDS)
 KEYBOARD_INTERRUPT_RCS = (-signal.SIGINT, 1)
 
 
-@pytest.fixture(scope="module")
-def ddp_sigint_rc(tmp_path_factory) -> int:
-    """How the script ends on Ctrl-C with torch DDP on Gloo, on this machine."""
+@pytest.fixture
+def ddp_sigint_rc(made_once) -> int:
+    """How the script ends on Ctrl-C with torch DDP on Gloo, on this machine
+    (found once per session: conftest.made_once)."""
+    return made_once("ddp_sigint_rc", _ddp_sigint_rc)[0]
+
+
+def _ddp_sigint_rc(out: Path) -> int:
     for attempt in range(3):  # torch's stock Gloo may abort every rank of one run at exit
-        ref = _without_stock_gloo_abort(run_end("sigint", "ddp", tmp_path_factory.mktemp("ddp-sigint"),
-                                                cuda=False), "sigint")
+        ref = _without_stock_gloo_abort(run_end("sigint", "ddp", out / f"attempt{attempt}", cuda=False), "sigint")
         if ref:
             break
     assert ref, "the DDP reference aborted at exit in torch's stock Gloo on every rank, 3 runs in a row"
