@@ -11,7 +11,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 import rank_server
+from rank_server import PRELOAD_TORCH
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK_MAIN = Path(__file__).with_name("rank_main.py")
@@ -315,16 +315,16 @@ def _run_ranks_once(case, tmp_path, *, world_size, timeout, kwargs, env, expect_
 def _start_rank(case: str, command: list[str], env: dict, log, expect_success: bool):
     """One rank: forked by a rank server (rank_server.py says why and when), else a new Python."""
     if _use_rank_server(env, expect_success):
-        key = tuple(sorted((k, v) for k, v in env.items() if k not in _PER_RANK_ENV))
+        key = _SERVERS.key(env)
         try:
-            server = _rank_server(key, env)
+            server = _SERVERS.get(key)
             # rank_main.die_with_the_test: the rank dies with the server that forked it.
             env = dict(env, PGD_TEST_RANKS_PARENT=str(server.proc.pid))
             rank = server.spawn(case.split(":")[0], command[1:], env, str(ROOT), log.name)
             _SERVER_STATS["ranks"] += 1
             return rank
         except rank_server.ServerGone as e:
-            _drop_rank_server(key)
+            _SERVERS.drop(key)
             log.write(f"[run_ranks] no rank server ({e}); this rank is a new Python\n")
             log.flush()
     _SERVER_STATS["fresh"] += 1
@@ -332,54 +332,63 @@ def _start_rank(case: str, command: list[str], env: dict, log, expect_success: b
                             cwd=str(ROOT))
 
 
-def _use_rank_server(env: dict, expect_success: bool) -> bool:
+def _use_rank_server(env: dict, expect_success: bool = True) -> bool:
     # CPU ranks only (CUDA_VISIBLE_DEVICES="" from cpu_children_unless_gpu_test): GPU
     # ranks and their timings keep new processes; so do ranks expected to fail.
     return (expect_success and env.get("CUDA_VISIBLE_DEVICES") == ""
             and os.environ.get("PGD_TEST_FRESH_RANKS") != "1" and sys.platform.startswith("linux"))
 
 
-# Set in each forked rank, so not part of a server's key. Everything else is: a
-# server imports with its ranks' environment (RANK included: Lightning reads it at
-# import), so each rank of a test has a server of its own, which also gives the
-# ranks different hash seeds and address layouts, as separate Pythons have.
-_PER_RANK_ENV = {"MASTER_PORT", "PYTEST_CURRENT_TEST", "PGD_TEST_RANKS_PARENT"}
-_RANK_SERVERS: dict[tuple, "rank_server.RankServer"] = {}  # by environment, most recently used last
-_SERVER_STATS = {"servers": 0, "ranks": 0, "fresh": 0}
-MAX_RANK_SERVERS = 8  # each holds torch in memory (~0.5 GB); a ninth retires the least recently used
+def _default_signals() -> None:
+    """In a new Python's child before exec: SIGINT and SIGTERM as a terminal's Ctrl-C
+    and torchrun find them (Popen's preexec_fn; default_signals in popen_script)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _rank_server(key: tuple, env: dict) -> "rank_server.RankServer":
-    server = _RANK_SERVERS.pop(key, None)
-    if server is None or server.dead:
-        while len(_RANK_SERVERS) >= MAX_RANK_SERVERS:
-            _RANK_SERVERS.pop(next(iter(_RANK_SERVERS))).close()
-        server_env = {k: v for k, v in env.items() if k not in _PER_RANK_ENV}
-        server_env["PGD_TEST_RANKS_PARENT"] = str(os.getpid())
-        fd, log = tempfile.mkstemp(prefix="pgd-rank-server-", suffix=".log")
-        os.close(fd)
-        server = rank_server.RankServer(server_env, Path(log))
-        _SERVER_STATS["servers"] += 1
-    _RANK_SERVERS[key] = server
-    return server
+def popen_script(args: list, *, env: dict, preload: tuple[str, ...] = PRELOAD_TORCH, per_launch: tuple[str, ...] = (),
+                 default_signals: bool = False, **kwargs):
+    """``subprocess.Popen(args, env=env, **kwargs)`` for ``args = [sys.executable,
+    SCRIPT, *ARGV]``, a CPU process of a training script: forked by a rank
+    server that imported ``preload``, else a new Python (GPU processes, other programs,
+    PGD_TEST_FRESH_RANKS=1). ``preload`` is what the script itself imports
+    before its process group exists, in the script's order: torch._dynamo only
+    where pgd.init() imports it first (imported after the group, it pins the
+    group, and the exit tests are about that), pygraph_dist only where the script
+    imports it before its own init_process_group. rank_server.py says what a
+    forked script shares with a new Python and what not; test_rank_server.py
+    checks it. ``per_launch``: variables of ``env`` that
+    differ between launches and that nothing reads at import (MASTER_PORT is
+    one already). ``default_signals``: SIGINT and SIGTERM as a terminal gives
+    them, whatever this test process has (a test run in the background ignores SIGINT)."""
+    if args[0] == sys.executable and _use_rank_server(env):
+        key = _SERVERS.key(env, preload, per_launch)
+        try:
+            proc = _SERVERS.get(key).script(list(args), env=env, default_signals=default_signals, **kwargs)
+            _SERVER_STATS["scripts"] += 1
+            return proc
+        except rank_server.ServerGone:
+            _SERVERS.drop(key)  # a new Python instead
+    _SERVER_STATS["fresh"] += 1
+    if default_signals:
+        kwargs["preexec_fn"] = _default_signals
+    return subprocess.Popen(args, env=env, **kwargs)
 
 
-def _drop_rank_server(key: tuple) -> None:
-    server = _RANK_SERVERS.pop(key, None)
-    if server is not None:
-        server.close()
+_SERVERS = rank_server.ServerPool(limit=8)
+_SERVER_STATS = {"ranks": 0, "scripts": 0, "fresh": 0}
 
 
 def pytest_sessionfinish(session, exitstatus):
-    while _RANK_SERVERS:
-        _RANK_SERVERS.popitem()[1].close()
+    _SERVERS.close()
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _SERVER_STATS["ranks"] or _SERVER_STATS["fresh"]:
+    if _SERVER_STATS["ranks"] or _SERVER_STATS["scripts"] or _SERVER_STATS["fresh"]:
         terminalreporter.write_line(
-            f"run_ranks: {_SERVER_STATS['ranks']} ranks forked by {_SERVER_STATS['servers']} rank server(s), "
-            f"{_SERVER_STATS['fresh']} started as new Pythons (tests/python/rank_server.py)")
+            f"run_ranks, popen_script: {_SERVER_STATS['ranks']} ranks and {_SERVER_STATS['scripts']} scripts "
+            f"forked by {_SERVERS.started} rank server(s), {_SERVER_STATS['fresh']} started as new Pythons "
+            f"(tests/python/rank_server.py)")
 
 
 def _fmt(logs: list[str]) -> str:

@@ -1,7 +1,7 @@
 """Exit stress: many 2-rank Gloo jobs that end normally or by error, counting aborts.
 
     python tests/python/exit_stress.py --n 500            # 500 process exits (250 jobs)
-    python tests/python/exit_stress.py --n 20             # what the slow pytest test runs
+    python tests/python/exit_stress.py --n 20 --fork-server   # what the slow pytest test runs
 
 The ranks import the pygraph_dist this Python finds (installed, or through
 PYTHONPATH=python with the extension built in place).
@@ -158,13 +158,29 @@ def _env(rank: int, port: int) -> dict:
     return env
 
 
-def _start_job(mode: str, steps: int, timeout: float, backend: str, user_collectives: bool):
+def _start_job(mode: str, steps: int, timeout: float, backend: str, user_collectives: bool, servers=None):
     port = _free_port()
     extra = ["--user-collectives"] if user_collectives else []
-    procs = [subprocess.Popen(
-        [sys.executable, __file__, "--rank-mode", mode, "--steps", str(steps), "--backend", backend, *extra],
-        env=_env(rank, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=str(ROOT),
-    ) for rank in range(2)]
+    cmd = [sys.executable, __file__, "--rank-mode", mode, "--steps", str(steps), "--backend", backend, *extra]
+    procs = []
+    for rank in range(2):
+        env, kw = _env(rank, port), {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "cwd": str(ROOT)}
+        if servers is not None:
+            import rank_server
+
+            # What a rank imports before its process group exists, in its order: pgd.init()
+            # imports torch._dynamo first; the script's own init_process_group("gloo")
+            # comes before its optimizer imports torch._dynamo.
+            preload = (rank_server.PRELOAD_PGD_INIT if backend == "pgd"
+                       else (*rank_server.PRELOAD_TORCH, "pygraph_dist"))
+            key = servers.key(env, preload)
+            try:
+                procs.append(servers.get(key).script(cmd, env=env, **kw))
+                continue
+            except rank_server.ServerGone as e:
+                servers.drop(key)
+                print(f"no rank server ({e}): this rank is a new Python", flush=True)
+        procs.append(subprocess.Popen(cmd, env=env, **kw))
     return {"mode": mode, "procs": procs, "deadline": time.monotonic() + timeout}
 
 
@@ -173,15 +189,29 @@ def _aborted(code: int, out: str) -> bool:
 
 
 def run(n: int, jobs: int, modes: tuple[str, ...], steps: int, timeout: float, verbose: bool,
-        backend: str = "pgd", user_collectives: bool = False) -> dict:
+        backend: str = "pgd", user_collectives: bool = False, fork_server: bool = False) -> dict:
     """Run ``n`` process exits (``n // 2`` jobs of 2 ranks), ``jobs`` jobs at a time."""
+    servers = None
+    if fork_server:
+        sys.path.insert(0, str(HERE))
+        import rank_server
+
+        servers = rank_server.ServerPool(limit=2)  # one per rank
+    try:
+        return _run(n, jobs, modes, steps, timeout, verbose, backend, user_collectives, servers)
+    finally:
+        if servers is not None:
+            servers.close()
+
+
+def _run(n, jobs, modes, steps, timeout, verbose, backend, user_collectives, servers) -> dict:
     todo = [modes[i % len(modes)] for i in range((n + 1) // 2)]
     running: list[dict] = []
     stats = {"exits": 0, "aborts": 0, "unexpected": 0, "timeouts": 0, "by_mode": {}}
     t0 = time.monotonic()
     while todo or running:
         while todo and len(running) < jobs:
-            running.append(_start_job(todo.pop(0), steps, timeout, backend, user_collectives))
+            running.append(_start_job(todo.pop(0), steps, timeout, backend, user_collectives, servers))
         time.sleep(0.05)
         for job in list(running):
             procs = job["procs"]
@@ -230,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
                          "init_process_group with torch's stock Gloo")
     ap.add_argument("--user-collectives", action="store_true",
                     help="with --backend gloo: after_wait calls dist.all_reduce (torch's own race)")
+    ap.add_argument("--fork-server", action="store_true",
+                    help="fork each rank from a server (one per rank) that imported what the rank imports "
+                         "before its process group exists (tests/python/rank_server.py): what the pytest "
+                         "test runs, to spare 40 imports of torch; without it every rank is a new Python")
     ap.add_argument("--rank-mode", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rank_mode:
@@ -240,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
     s = run(args.n, args.jobs, modes, args.steps, args.timeout, args.verbose, args.backend,
-            args.user_collectives)
+            args.user_collectives, args.fork_server)
     per_mode = ", ".join(f"{k} {v['aborts']}/{v['exits']}" for k, v in s["by_mode"].items())
     print(f"exit_stress ({args.backend}): {s['exits']} process exits in {s['seconds']} s: {s['aborts']} aborted, "
           f"{s['unexpected']} unexpected exit codes, {s['timeouts']} timed out (aborts by mode: {per_mode})",

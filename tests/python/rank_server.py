@@ -1,4 +1,4 @@
-"""A fork server for the CPU tests' rank processes: torch imported once, a fresh process per rank.
+"""A fork server for the CPU tests' rank processes and scripts: torch imported once, a fresh process per rank.
 
 Most of a CPU test's time went to starting its rank processes: each rank a new
 Python that imports torch, torch.distributed, pygraph_dist and the test module
@@ -18,11 +18,45 @@ a ``fork()`` of it, so that:
   through ``ForkedRank`` (the subset of ``subprocess.Popen`` it uses), and a
   rank past its time gets SIGUSR1 (stacks into its log) and SIGKILL as before.
 
-What it does not cover, on purpose: ranks of GPU tests (CUDA and the GPU
-timings keep plain processes), tests that assert how a process exits (they
-start their own processes, not ``run_ranks``), and any test run with
-``PGD_TEST_FRESH_RANKS=1`` (every rank a new Python again, to rule this server
-out when a test misbehaves).
+Scripts too (``conftest.popen_script``, ``RankServer.script``): the exit tests'
+ranks (tests/python/exit_paths.py, exit_stress.py, faults_workers.py) and the
+ecosystem scripts' launches, which were each a new Python importing torch and
+torch._dynamo (40 of them for the exit stress test alone). Their server
+imports only what the script itself imports before its process group exists,
+in the script's order: torch; pygraph_dist where the script imports it before
+its own ``init_process_group``; torch._dynamo only where ``pgd.init()`` imports
+it first (imported after the group, it pins the group: what the exit tests
+are about). The fork then becomes what ``python SCRIPT ARGS`` started by
+``subprocess.Popen`` would be:
+
+* the script runs as ``__main__`` (its ``__file__``, ``sys.argv``, ``sys.path[0]``
+  its own directory, compiled without this file's ``__future__`` flags), with
+  the environment, directory, session and stdout/stderr the caller asked for
+  (the file descriptors are passed over the socket: a pipe works as with Popen);
+* SIGINT and SIGTERM as a new Python has them: KeyboardInterrupt for SIGINT
+  unless the caller ignores it, SIGTERM default (or both as a terminal gives
+  them, the exit tests' ``default_signals``);
+* it ends as the interpreter ends a script: an escaping exception prints its
+  traceback (from the script's top level: none of the server's frames) and
+  exits 1, KeyboardInterrupt kills the process with SIGINT, SystemExit's code
+  is the status, then atexit handlers and finalization -- in which the
+  collector sees the server's imports again (``gc.unfreeze()`` after the
+  script's atexit handlers), as a new Python's last collections do.
+
+tests/python/test_rank_server.py runs one probe script both ways and checks
+that each of these is the same. What differs, and is accepted: the parent
+process (the server), ``gc.get_freeze_count()`` while the script runs, and a
+script's hash seed and address layout, which it shares with the other scripts
+its server forks (the two ranks of a launch have servers of their own). The
+full exit checks (``python tests/python/exit_stress.py --n 500``) start every
+rank as a new Python.
+
+What it does not cover, on purpose: GPU processes (CUDA and the GPU timings
+keep plain processes), ranks expected to fail in ``run_ranks``, launchers
+(torchrun, mpirun, srun) and the programs the tests run as a user would
+(``pygraph-launch``, the README's commands, the benchmarks' timed workers), and
+any test run with ``PGD_TEST_FRESH_RANKS=1`` (every process a new Python
+again, to rule this server out when a test misbehaves).
 
 The server is started per environment, rank included: an environment variable
 read at import (``PYGRAPH_DIST_HOST_SPANS``, or ``RANK`` in Lightning) is seen
@@ -38,8 +72,10 @@ to its pages): the CPU suite's forked ranks took 390 CPU-s on the 2-core
 machine, 100 with it.
 
 Protocol (JSON lines over a socketpair): the test side sends ``{"op": "spawn",
-"id", "module", "argv", "env", "cwd", "log"}`` and ``{"op": "signal", "pid",
-"sig"}``; the server answers ``{"id", "pid"}`` (or ``{"id", "error"}``) and
+"id", "module", "argv", "env", "cwd", "log"}``, ``{"op": "script", "id",
+"script", "argv", "env", "cwd", "new_session", "sigint_ignored",
+"sigterm_ignored", "nfds"}`` (with ``nfds`` file descriptors, stdout and
+stderr, as SCM_RIGHTS) and ``{"op": "signal", "pid", "sig"}``; the server answers ``{"id", "pid"}`` (or ``{"id", "error"}``) and
 reports each exit as ``{"exit": pid, "rc": returncode}`` (Popen's convention).
 EOF on the socket (the test process closed it or died) kills the server's
 ranks and ends it; the server and its ranks also get SIGKILL when the test
@@ -48,15 +84,21 @@ process dies (``rank_main.die_with_the_test``).
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import gc
 import importlib
+import importlib.machinery
 import json
 import os
 import select
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import time
+import types
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -65,6 +107,11 @@ RANK_MAIN = HERE / "rank_main.py"
 # What every rank imports: torch._dynamo too (pgd.init imports it before the process
 # group exists, and any optimizer would; over 2 s of each rank's start on the CI machine).
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "pygraph_dist", "common")
+# A script's server imports what the script imports before its process group
+# exists, in the script's order (conftest.popen_script): torch; or torch and
+# pygraph_dist, whose init() imports torch._dynamo before it creates the group.
+PRELOAD_TORCH = ("torch", "torch.distributed")
+PRELOAD_PGD_INIT = (*PRELOAD_TORCH, "pygraph_dist", "torch._dynamo")
 
 
 # ---------------------------------------------------------------- the server
@@ -80,10 +127,12 @@ def _send(sock: socket.socket, msg: dict) -> None:
     sock.sendall((json.dumps(msg) + "\n").encode())
 
 
-def _serve(sock: socket.socket) -> dict:
-    """Answer requests until EOF; returns only in a forked rank, with its request."""
+def _serve(sock: socket.socket) -> tuple[dict, list[int]]:
+    """Answer requests until EOF; returns only in a forked rank, with its request
+    and the file descriptors that came with it."""
     children: set[int] = set()
     buf = b""
+    passed_fds: list[int] = []
     while True:
         while children:  # reap every rank that ended
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -94,7 +143,8 @@ def _serve(sock: socket.socket) -> dict:
         ready, _, _ = select.select([sock], [], [], 0.02 if children else 0.5)
         if not ready:
             continue
-        data = sock.recv(1 << 16)
+        data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)  # a script's stdout/stderr come as fds
+        passed_fds += fds
         if not data:  # the test process is gone or done: so are its ranks
             for pid in children:
                 try:
@@ -118,18 +168,23 @@ def _serve(sock: socket.socket) -> dict:
                     except ProcessLookupError:
                         pass
                 continue
+            fds, passed_fds = passed_fds[:req.get("nfds", 0)], passed_fds[req.get("nfds", 0):]
             # "spawn": the test module first, so that the next rank of this module starts at once.
             # An import that fails is left to the rank, whose log then shows the traceback.
             # A test module's RANK_PRELOAD names what its rank bodies import (transformers, lightning).
-            try:
-                module = importlib.import_module(req["module"])
-                for name in getattr(module, "RANK_PRELOAD", ()):
-                    importlib.import_module(name)
-            except BaseException:  # noqa: BLE001 -- the rank raises it again, in its log
-                pass
+            # "script": nothing more; the script imports the rest itself, in its own order.
+            if req["op"] == "spawn":
+                try:
+                    module = importlib.import_module(req["module"])
+                    for name in getattr(module, "RANK_PRELOAD", ()):
+                        importlib.import_module(name)
+                except BaseException:  # noqa: BLE001 -- the rank raises it again, in its log
+                    pass
             if _threads() > 1:
                 _send(sock, {"id": req["id"], "error": f"the server has {_threads()} threads after importing "
-                             f"{req['module']}: fork() would copy only one"})
+                             f"{req.get('module', 'its preloads')}: fork() would copy only one"})
+                for fd in fds:
+                    os.close(fd)
                 continue
             sys.stdout.flush()
             sys.stderr.flush()
@@ -140,7 +195,11 @@ def _serve(sock: socket.socket) -> dict:
             pid = os.fork()
             if pid == 0:
                 sock.close()
-                return req
+                for fd in passed_fds:
+                    os.close(fd)
+                return req, fds
+            for fd in fds:  # the rank has them now
+                os.close(fd)
             children.add(pid)
             _send(sock, {"id": req["id"], "pid": pid})
 
@@ -163,19 +222,86 @@ def _become_rank(req: dict) -> None:
         sys.modules["numpy"].random.seed()
 
 
-def server_main(fd: int) -> None:
+def _become_script(req: dict, fds: list[int], path: list[str]) -> types.ModuleType:
+    """In the forked process: what ``python SCRIPT ARGS`` would have set up, as
+    Popen would have started it; returns the ``__main__`` module to run it in."""
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.chdir(req["cwd"])
+    if req["new_session"]:
+        os.setsid()
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    for fd in set(fds):
+        os.close(fd)
+    # A new Python installs KeyboardInterrupt for SIGINT unless it started with SIGINT
+    # ignored; it leaves SIGTERM as it found it. Popen's child finds what the test had
+    # (or the defaults, with the exit tests' preexec_fn).
+    signal.signal(signal.SIGINT, signal.SIG_IGN if req["sigint_ignored"] else signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if req["sigterm_ignored"] else signal.SIG_DFL)
+    _prctl_pdeathsig()  # dies with the server (fork() cleared the server's own)
+    script = req["script"]
+    sys.argv = [script, *req["argv"]]
+    sys.path[:] = [os.path.dirname(os.path.realpath(script)), *path]
+    sys.modules["torch"].default_generator.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    # What the server imported was frozen (gc.freeze() before the fork): a fresh
+    # Python's last collections, at exit, walk torch's objects too. Registered
+    # first, so it runs after every atexit handler the script registers.
+    atexit.register(gc.unfreeze)
+    sys.excepthook = _without_server_frames(sys.excepthook)
+    main = types.ModuleType("__main__")
+    main.__file__ = script
+    main.__cached__ = None
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
+    sys.modules["__main__"] = main
+    return main
+
+
+def _without_server_frames(hook):
+    """The traceback of an exception that escapes the script starts at the
+    script's top level, as a new Python prints it, not in server_main."""
+    def excepthook(kind, value, tb):
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        if isinstance(value, BaseException):
+            value.__traceback__ = tb  # what sys.excepthook prints
+        hook(kind, value, tb)
+    return excepthook
+
+
+def _prctl_pdeathsig() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def server_main(fd: int, preload: tuple[str, ...] = PRELOAD) -> None:
+    path = sys.path[1:]  # without this file's directory: a script gets its own
     sys.path.insert(0, str(HERE))
     import rank_main
 
     rank_main.die_with_the_test()  # the server dies with the test process; each rank with the server
-    for name in PRELOAD:
+    for name in preload:
         importlib.import_module(name)
     sock = socket.socket(fileno=fd)
     if _threads() > 1:
-        _send(sock, {"ready": False, "error": f"{_threads()} threads after importing torch"})
+        _send(sock, {"ready": False, "error": f"{_threads()} threads after importing {', '.join(preload)}"})
         return
     _send(sock, {"ready": True})
-    req = _serve(sock)
+    req, fds = _serve(sock)
+    if req["op"] == "script":
+        main = _become_script(req, fds, path)
+        with open(req["script"], "rb") as f:
+            code = compile(f.read(), req["script"], "exec", dont_inherit=True)  # not this file's __future__
+        del req, fds, sock, f
+        # As the interpreter runs a script: an exception escapes to it (traceback,
+        # exit status 1, or the process killed by SIGINT for KeyboardInterrupt),
+        # SystemExit's code is the exit status, then atexit and finalization.
+        exec(code, main.__dict__)
+        return
     _become_rank(req)
     rank_main.main(req["argv"])  # then the interpreter exits as the script's would
 
@@ -214,18 +340,58 @@ class ForkedRank:
         return self.returncode
 
 
+class ForkedProcess(ForkedRank):
+    """A script forked by the server: ``subprocess.Popen``'s interface, as the
+    exit tests and the ecosystem scripts' launchers use it (``stdout`` is the
+    pipe's read end with ``stdout=PIPE``)."""
+
+    def __init__(self, server: "RankServer", pid: int, args: list[str], stdout, text: bool):
+        super().__init__(server, pid, "")
+        self.args, self.stdout, self.text = args, stdout, text
+
+    def wait(self, timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if self.server.dead:  # its ranks were SIGKILLed with it (_gone)
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.server.pump(0.05)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out = b""
+        if self.stdout is not None:
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(self.args, timeout, output=out)
+                ready, _, _ = select.select([self.stdout], [], [], 0.05 if left is None else min(left, 0.05))
+                if ready:
+                    chunk = os.read(self.stdout.fileno(), 1 << 16)
+                    if not chunk:
+                        break
+                    out += chunk
+                else:
+                    self.server.pump(0)
+            self.stdout.close()
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self.stdout is None:
+            return None, None
+        return (out.decode(errors="replace") if self.text else out), None
+
+
 class RankServer:
-    """The test side of one server (one per environment)."""
+    """The test side of one server (one per environment and preload list)."""
 
-    def __init__(self, env: dict, log: Path, timeout: float = 120):
-        import subprocess
-
+    def __init__(self, env: dict, log: Path, timeout: float = 120, preload: tuple[str, ...] = PRELOAD):
         ours, theirs = socket.socketpair()
         self.log = log
         with open(log, "w") as f:
-            self.proc = subprocess.Popen([sys.executable, str(SERVER), str(theirs.fileno())], env=env,
-                                         pass_fds=[theirs.fileno()], stdout=f, stderr=subprocess.STDOUT,
-                                         cwd=str(HERE.parents[1]))
+            self.proc = subprocess.Popen([sys.executable, str(SERVER), str(theirs.fileno()), ",".join(preload)],
+                                         env=env, pass_fds=[theirs.fileno()], stdout=f,
+                                         stderr=subprocess.STDOUT, cwd=str(HERE.parents[1]))
         theirs.close()
         self.sock = ours
         self.buf = b""
@@ -289,6 +455,8 @@ class RankServer:
         why = self._why()
         for rank in self.ranks.values():
             rank.returncode = -signal.SIGKILL
+            if not rank.log:  # a script's output went where its caller sent it
+                continue
             with open(rank.log, "a") as f:
                 f.write(f"\n[run_ranks] this rank was forked by a rank server that ended: {why}\n")
         self.ranks.clear()
@@ -314,6 +482,53 @@ class RankServer:
         self.ranks[reply["pid"]] = rank
         return rank
 
+    def script(self, args: list[str], *, env: dict, cwd: str, stdout=None, stderr=None,
+               start_new_session: bool = False, default_signals: bool = False, text: bool = False,
+               timeout: float = 120) -> ForkedProcess:
+        """``subprocess.Popen(args, ...)`` for ``args = [sys.executable, SCRIPT, *ARGV]``:
+        the script runs as ``__main__`` in a fork of this server. ``stdout``:
+        None (this process's), PIPE or a file; ``stderr``: None, STDOUT or a file.
+        ``default_signals``: SIGINT and SIGTERM as a terminal gives them, whatever
+        this process has (a Popen ``preexec_fn`` that resets them)."""
+        if self.dead:
+            raise ServerGone(self._why())
+        if args[0] != sys.executable:
+            raise ValueError(f"RankServer.script runs Python scripts as {sys.executable} would, not {args[0]}")
+        read_end = None
+        if stdout == subprocess.PIPE:
+            read_fd, out_fd = os.pipe()
+            read_end = os.fdopen(read_fd, "rb")
+        else:
+            out_fd = os.dup(1 if stdout is None else stdout.fileno())
+        err_fd = os.dup(out_fd) if stderr == subprocess.STDOUT else os.dup(2 if stderr is None else stderr.fileno())
+        ignored = {sig: not default_signals and signal.getsignal(sig) == signal.SIG_IGN
+                   for sig in (signal.SIGINT, signal.SIGTERM)}
+        self.next_id += 1
+        rid = self.next_id
+        msg = {"op": "script", "id": rid, "script": str(args[1]), "argv": [str(a) for a in args[2:]], "env": env,
+               "cwd": str(cwd), "new_session": start_new_session, "nfds": 2,
+               "sigint_ignored": ignored[signal.SIGINT], "sigterm_ignored": ignored[signal.SIGTERM]}
+        try:
+            socket.send_fds(self.sock, [(json.dumps(msg) + "\n").encode()], [out_fd, err_fd])
+        except OSError:
+            self._gone()
+        finally:
+            os.close(out_fd)
+            os.close(err_fd)
+        try:
+            reply = self._wait_for(lambda: self.replies.pop(rid, None), timeout)
+        except ServerGone:
+            if read_end is not None:
+                read_end.close()
+            raise
+        if "error" in reply:
+            if read_end is not None:
+                read_end.close()
+            raise ServerGone(reply["error"])
+        proc = ForkedProcess(self, reply["pid"], [str(a) for a in args], read_end, text)
+        self.ranks[reply["pid"]] = proc
+        return proc
+
     def signal(self, pid: int, sig: int) -> None:
         self._send({"op": "signal", "pid": pid, "sig": int(sig)})
 
@@ -332,5 +547,51 @@ class RankServer:
             self.log.unlink(missing_ok=True)
 
 
+class ServerPool:
+    """Servers by environment and preload list, most recently used last.
+
+    A server imports with its ranks' environment, except what is set per launch
+    (``PER_LAUNCH_ENV`` and a caller's ``per_launch``: nothing reads them at
+    import). So each rank of a test has a server of its own (RANK differs:
+    Lightning reads it at import), which also gives the ranks different hash
+    seeds and address layouts, as separate Pythons have. Each server holds torch
+    in memory (~0.5 GB): past ``limit``, the least recently used one is retired."""
+
+    PER_LAUNCH_ENV = frozenset({"MASTER_PORT", "PYTEST_CURRENT_TEST", "PGD_TEST_RANKS_PARENT"})
+
+    def __init__(self, limit: int = 8):
+        self.limit = limit
+        self.servers: dict[tuple, RankServer] = {}
+        self.started = 0
+
+    def key(self, env: dict, preload: tuple[str, ...] = PRELOAD, per_launch: tuple[str, ...] = ()) -> tuple:
+        skip = self.PER_LAUNCH_ENV.union(per_launch)
+        return preload, tuple(sorted((k, v) for k, v in env.items() if k not in skip))
+
+    def get(self, key: tuple) -> RankServer:
+        """The server for ``key`` (``self.key(...)``), started if there is none."""
+        server = self.servers.pop(key, None)
+        if server is None or server.dead:
+            while len(self.servers) >= self.limit:
+                self.servers.pop(next(iter(self.servers))).close()
+            preload, items = key
+            server_env = dict(items, PGD_TEST_RANKS_PARENT=str(os.getpid()))  # the server dies with us
+            fd, log = tempfile.mkstemp(prefix="pgd-rank-server-", suffix=".log")
+            os.close(fd)
+            server = RankServer(server_env, Path(log), preload=preload)
+            self.started += 1
+        self.servers[key] = server
+        return server
+
+    def drop(self, key: tuple) -> None:
+        server = self.servers.pop(key, None)
+        if server is not None:
+            server.close()
+
+    def close(self) -> None:
+        while self.servers:
+            self.servers.popitem()[1].close()
+
+
 if __name__ == "__main__":
-    server_main(int(sys.argv[1]))
+    server_main(int(sys.argv[1]), tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else PRELOAD)

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, RankFailure, child_env, free_port, stock_gloo_exit_abort
+from conftest import ROOT, RankFailure, child_env, free_port, popen_script, stock_gloo_exit_abort
 
 SCRIPTS = ROOT / "examples" / "scripts"
 
@@ -71,8 +71,10 @@ def run_script(script: str, args: list[str], out_dir: Path, *, world_size: int, 
     procs = []
     for i, (cmd, env) in enumerate(launches):
         log = open(out_dir / f"launch{i}.log", "w")
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                                       start_new_session=True), log))
+        # A CPU launch is forked from a server that imported torch (conftest.popen_script);
+        # mp.spawn's children are new Pythons either way.
+        procs.append((popen_script(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
+                                   start_new_session=True), log))
     deadline = time.monotonic() + timeout
     timed_out = False
     for p, _ in procs:

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from conftest import ROOT, child_env, free_port, stock_gloo_exit_abort
+from conftest import ROOT, child_env, free_port, popen_script, stock_gloo_exit_abort
+from rank_server import PRELOAD_PGD_INIT, PRELOAD_TORCH
 
 SCRIPT = Path(__file__).with_name("exit_paths.py")
 sys.path.insert(0, str(SCRIPT.parent))
@@ -34,16 +35,6 @@ from exit_paths import ENDS, SIGNALLED  # noqa: E402
 
 EXIT_WITHIN_S = 10.0  # from a rank's last step to its process's end (issue 46)
 START_TIMEOUT_S = 240.0
-
-
-def _default_signals() -> None:
-    """In the child before exec: SIGINT and SIGTERM as a terminal's Ctrl-C and
-    torchrun find them. A test run in the background of a non-interactive shell
-    (``pytest ... &``, nohup, CI runners) ignores SIGINT, its children inherit
-    that, and Python then installs no KeyboardInterrupt handler: the script would
-    never see the Ctrl-C this test sends, and the test would wait out its limit."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def run_end(end: str, init: str, out: Path, *, world: int = 2, cuda: bool, cycles: int = 2) -> list[dict]:
@@ -63,8 +54,15 @@ def run_end(end: str, init: str, out: Path, *, world: int = 2, cuda: bool, cycle
         log = open(out / f"rank{rank}.log", "a")  # appended to by the rank, and by _dump_stacks
         cmd = [sys.executable, str(SCRIPT), "--end", end, "--init", init, "--out", str(out),
                "--cycles", str(cycles)]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                                       start_new_session=True, preexec_fn=_default_signals), log))
+        # SIGINT and SIGTERM as a terminal's Ctrl-C and torchrun find them (default_signals):
+        # a test run in the background of a non-interactive shell (``pytest ... &``, nohup,
+        # CI runners) ignores SIGINT, and a script that inherits that never sees the Ctrl-C.
+        # The script imports torch and pygraph_dist, then pgd.init() imports torch._dynamo
+        # before the group; its own init_process_group comes before its optimizer imports it.
+        preload = PRELOAD_PGD_INIT if init == "pgd" else (*PRELOAD_TORCH, "pygraph_dist")
+        procs.append((popen_script(cmd, env=env, preload=preload, per_launch=("PGD_EXIT_REINIT_PORTS",),
+                                   default_signals=True, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
+                                   start_new_session=True), log))
     ended: dict[int, float] = {}
     deadline = time.monotonic() + START_TIMEOUT_S
     signalled = False

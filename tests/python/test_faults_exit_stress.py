@@ -4,28 +4,36 @@ A small run of tests/python/exit_stress.py: every way of ending (normal,
 shutdown, raise, sys.exit, a peer raising or killed mid-training, an error
 inside backward with all-reduces in flight) once, on 2 Gloo ranks, through
 pygraph_dist's own backend and through the script's own
-``init_process_group("gloo")`` (torch's stock Gloo, issue 25). The full
-checks are ``python tests/python/exit_stress.py --n 500`` and the same with
+``init_process_group("gloo")`` (torch's stock Gloo, issue 25). The ranks
+are forked from a server per rank that imported what a rank imports before
+its process group exists (``--fork-server``; tests/python/rank_server.py says
+what a forked script shares with a new Python, and test_rank_server.py checks
+it). The full checks, every rank a new Python, are
+``python tests/python/exit_stress.py --n 500`` and the same with
 ``--backend gloo``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, child_env, free_port
+from conftest import ROOT, child_env, free_port, popen_script
+from rank_server import PRELOAD_PGD_INIT
 
 N_EXITS = 20  # 10 jobs of 2 ranks: each mode once; about a minute on 2 cores
 
 
 def _exit_stress(backend: str) -> None:
     script = Path(__file__).with_name("exit_stress.py")
-    p = subprocess.run([sys.executable, str(script), "--n", str(N_EXITS), "--timeout", "120", "--backend", backend],
+    fork = [] if os.environ.get("PGD_TEST_FRESH_RANKS") == "1" else ["--fork-server"]
+    p = subprocess.run([sys.executable, str(script), "--n", str(N_EXITS), "--timeout", "120", "--backend", backend,
+                        *fork],
                        capture_output=True, text=True, timeout=280, cwd=str(ROOT))
     summary = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
     assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
@@ -61,11 +69,13 @@ def _two_ranks(case: str, out: Path, backend: str = "pgd", collectives: str = "d
     out.mkdir(parents=True, exist_ok=True)
     worker = Path(__file__).with_name("faults_workers.py")
     port = str(free_port())
-    procs = [subprocess.Popen(
+    # The script imports torch, then pygraph_dist, whose init() imports torch._dynamo before the group.
+    procs = [popen_script(
         [sys.executable, str(worker), case, "--out", str(out), "--backend", backend, "--collectives", collectives],
         env=child_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, CUDA_VISIBLE_DEVICES=""),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT)) for r in range(2)]
+        preload=PRELOAD_PGD_INIT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT))
+        for r in range(2)]
     try:
         outs = [p.communicate(timeout=120)[0] for p in procs]
     except subprocess.TimeoutExpired:

@@ -18,15 +18,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, child_env, free_port
+from conftest import ROOT, child_env, free_port, popen_script
+from rank_server import PRELOAD_TORCH
 
 WORKER = Path(__file__).with_name("faults_workers.py")
 
 
 def _start(case: str, out: Path, *args: str, **env: str) -> subprocess.Popen:
+    """The worker, with SIGINT as a terminal's Ctrl-C finds it (default_signals:
+    a pytest run in the background ignores SIGINT, and so would the worker).
+    It imports torch and pygraph_dist before its process group."""
     e = child_env(**env)  # the pygraph_dist this pytest imports: installed, or on PYTHONPATH
-    return subprocess.Popen([sys.executable, str(WORKER), case, "--out", str(out), *args], env=e,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT))
+    return popen_script([sys.executable, str(WORKER), case, "--out", str(out), *args], env=e,
+                        preload=(*PRELOAD_TORCH, "pygraph_dist"), default_signals=True,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT))
 
 
 def _finish(p: subprocess.Popen, timeout: float) -> tuple[int, str]:
