@@ -55,7 +55,15 @@ elif mode in ("sigint", "sigterm"):
 MODES = {"return": 0, "exit3": 3, "raise": 1, "sigint": -signal.SIGINT, "sigterm": -signal.SIGTERM}
 
 
-def _run(tmp_path, mode: str, forked: bool):
+@pytest.fixture(scope="module")
+def pool():
+    """One server for every mode: PROBE_VALUE, which differs, is set in the fork only."""
+    servers = rank_server.ServerPool(limit=1)
+    yield servers
+    servers.close()
+
+
+def _run(tmp_path, mode: str, forked: bool, pool=None):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     ready = tmp_path / f"ready-{mode}"
@@ -65,12 +73,8 @@ def _run(tmp_path, mode: str, forked: bool):
     kw = dict(env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
               start_new_session=True)
     if forked:
-        pool = rank_server.ServerPool(limit=1)
-        try:
-            p = pool.get(pool.key(env, ("torch",))).script(args, default_signals=True, **kw)
-            out = _finish(p, mode, ready)
-        finally:
-            pool.close()
+        p = pool.get(pool.key(env, ("torch",), per_launch=("PROBE_VALUE",))).script(args, default_signals=True, **kw)
+        out = _finish(p, mode, ready)
     else:  # PGD_TEST_FRESH_RANKS=1 (the caller's monkeypatch): a new Python
         p = popen_script(args, default_signals=True, **kw)
         assert isinstance(p, subprocess.Popen)
@@ -90,10 +94,10 @@ def _finish(p, mode, ready):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rank servers are Linux only")
 @pytest.mark.parametrize("mode", list(MODES))
-def test_a_forked_script_starts_and_ends_as_a_new_python(tmp_path, mode, monkeypatch):
+def test_a_forked_script_starts_and_ends_as_a_new_python(tmp_path, mode, monkeypatch, pool):
     monkeypatch.setenv("PGD_TEST_FRESH_RANKS", "1")
     rc_new, new, out_new = _run(tmp_path, mode, forked=False)
-    rc_fork, fork, out_fork = _run(tmp_path, mode, forked=True)
+    rc_fork, fork, out_fork = _run(tmp_path, mode, forked=True, pool=pool)
     assert rc_new == rc_fork == MODES[mode], (rc_new, rc_fork, out_new, out_fork)
     seeds = new.pop("seed"), fork.pop("seed")
     assert seeds[0] != seeds[1]  # a fresh default generator seed, not the server's
