@@ -350,17 +350,20 @@ def popen_script(args: list, *, env: dict, preload: tuple[str, ...] = PRELOAD_TO
                  default_signals: bool = False, **kwargs):
     """``subprocess.Popen(args, env=env, **kwargs)`` for ``args = [sys.executable,
     SCRIPT, *ARGV]``, a CPU process of a training script: forked by a rank
-    server that imported ``preload``, else a new Python (GPU processes, other programs,
-    PGD_TEST_FRESH_RANKS=1). ``preload`` is what the script itself imports
-    before its process group exists, in the script's order: torch._dynamo only
+    server that imported ``preload``, else a new Python (GPU processes, other
+    programs, PGD_TEST_FRESH_RANKS=1).
+
+    ``preload`` is what the script itself imports before its process group
+    exists, in the script's order (rank_server.PRELOAD_*): torch._dynamo only
     where pgd.init() imports it first (imported after the group, it pins the
-    group, and the exit tests are about that), pygraph_dist only where the script
-    imports it before its own init_process_group. rank_server.py says what a
-    forked script shares with a new Python and what not; test_rank_server.py
-    checks it. ``per_launch``: variables of ``env`` that
+    group, and the exit tests are about that), pygraph_dist only where the
+    script imports it before its own init_process_group. rank_server.py says
+    what a forked script shares with a new Python and what not;
+    test_rank_server.py checks it. ``per_launch``: variables of ``env`` that
     differ between launches and that nothing reads at import (MASTER_PORT is
     one already). ``default_signals``: SIGINT and SIGTERM as a terminal gives
-    them, whatever this test process has (a test run in the background ignores SIGINT)."""
+    them, whatever this test process has (a test run in the background
+    ignores SIGINT)."""
     if args[0] == sys.executable and _use_rank_server(env):
         key = _SERVERS.key(env, preload, per_launch)
         try:

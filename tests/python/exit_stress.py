@@ -171,8 +171,7 @@ def _start_job(mode: str, steps: int, timeout: float, backend: str, user_collect
             # What a rank imports before its process group exists, in its order: pgd.init()
             # imports torch._dynamo first; the script's own init_process_group("gloo")
             # comes before its optimizer imports torch._dynamo.
-            preload = (rank_server.PRELOAD_PGD_INIT if backend == "pgd"
-                       else (*rank_server.PRELOAD_TORCH, "pygraph_dist"))
+            preload = rank_server.PRELOAD_PGD_INIT if backend == "pgd" else rank_server.PRELOAD_PGD
             key = servers.key(env, preload)
             try:
                 procs.append(servers.get(key).script(cmd, env=env, **kw))

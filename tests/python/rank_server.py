@@ -108,10 +108,12 @@ RANK_MAIN = HERE / "rank_main.py"
 # group exists, and any optimizer would; over 2 s of each rank's start on the CI machine).
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "pygraph_dist", "common")
 # A script's server imports what the script imports before its process group
-# exists, in the script's order (conftest.popen_script): torch; or torch and
-# pygraph_dist, whose init() imports torch._dynamo before it creates the group.
+# exists, in the script's order (conftest.popen_script): torch; torch and
+# pygraph_dist (a script that imports it before its own init_process_group);
+# or those and torch._dynamo, which pgd.init() imports before it creates the group.
 PRELOAD_TORCH = ("torch", "torch.distributed")
-PRELOAD_PGD_INIT = (*PRELOAD_TORCH, "pygraph_dist", "torch._dynamo")
+PRELOAD_PGD = (*PRELOAD_TORCH, "pygraph_dist")
+PRELOAD_PGD_INIT = (*PRELOAD_PGD, "torch._dynamo")
 
 
 # ---------------------------------------------------------------- the server

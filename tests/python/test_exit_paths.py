@@ -27,7 +27,7 @@ import pytest
 import torch.distributed as dist
 
 from conftest import ROOT, child_env, free_port, popen_script, stock_gloo_exit_abort
-from rank_server import PRELOAD_PGD_INIT, PRELOAD_TORCH
+from rank_server import PRELOAD_PGD, PRELOAD_PGD_INIT
 
 SCRIPT = Path(__file__).with_name("exit_paths.py")
 sys.path.insert(0, str(SCRIPT.parent))
@@ -59,7 +59,7 @@ def run_end(end: str, init: str, out: Path, *, world: int = 2, cuda: bool, cycle
         # CI runners) ignores SIGINT, and a script that inherits that never sees the Ctrl-C.
         # The script imports torch and pygraph_dist, then pgd.init() imports torch._dynamo
         # before the group; its own init_process_group comes before its optimizer imports it.
-        preload = PRELOAD_PGD_INIT if init == "pgd" else (*PRELOAD_TORCH, "pygraph_dist")
+        preload = PRELOAD_PGD_INIT if init == "pgd" else PRELOAD_PGD
         procs.append((popen_script(cmd, env=env, preload=preload, per_launch=("PGD_EXIT_REINIT_PORTS",),
                                    default_signals=True, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
                                    start_new_session=True), log))

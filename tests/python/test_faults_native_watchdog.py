@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, child_env, free_port, popen_script
-from rank_server import PRELOAD_TORCH
+from rank_server import PRELOAD_PGD
 
 WORKER = Path(__file__).with_name("faults_workers.py")
 
@@ -30,7 +30,7 @@ def _start(case: str, out: Path, *args: str, **env: str) -> subprocess.Popen:
     It imports torch and pygraph_dist before its process group."""
     e = child_env(**env)  # the pygraph_dist this pytest imports: installed, or on PYTHONPATH
     return popen_script([sys.executable, str(WORKER), case, "--out", str(out), *args], env=e,
-                        preload=(*PRELOAD_TORCH, "pygraph_dist"), default_signals=True,
+                        preload=PRELOAD_PGD, default_signals=True,
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT))
 
 
