@@ -339,18 +339,11 @@ def _use_rank_server(env: dict, expect_success: bool = True) -> bool:
             and os.environ.get("PGD_TEST_FRESH_RANKS") != "1" and sys.platform.startswith("linux"))
 
 
-def _default_signals() -> None:
-    """In a new Python's child before exec: SIGINT and SIGTERM as a terminal's Ctrl-C
-    and torchrun find them (Popen's preexec_fn; default_signals in popen_script)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def popen_script(args: list, *, env: dict, preload: tuple[str, ...] = PRELOAD_TORCH, per_launch: tuple[str, ...] = (),
-                 default_signals: bool = False, **kwargs):
+def popen_script(args: list, *, env: dict, preload: tuple[str, ...] = PRELOAD_TORCH, **kwargs):
     """``subprocess.Popen(args, env=env, **kwargs)`` for ``args = [sys.executable,
-    SCRIPT, *ARGV]``, a CPU process of a training script: forked by a rank
-    server that imported ``preload``, else a new Python (GPU processes, other
+    SCRIPT, *ARGV]``, a process of a training script: forked by a rank server
+    that imported ``preload`` where it is a CPU process (``ServerPool.popen``,
+    whose other arguments it takes), else a new Python (GPU processes, other
     programs, PGD_TEST_FRESH_RANKS=1).
 
     ``preload`` is what the script itself imports before its process group
@@ -359,23 +352,11 @@ def popen_script(args: list, *, env: dict, preload: tuple[str, ...] = PRELOAD_TO
     group, and the exit tests are about that), pygraph_dist only where the
     script imports it before its own init_process_group. rank_server.py says
     what a forked script shares with a new Python and what not;
-    test_rank_server.py checks it. ``per_launch``: variables of ``env`` that
-    differ between launches and that nothing reads at import (MASTER_PORT is
-    one already). ``default_signals``: SIGINT and SIGTERM as a terminal gives
-    them, whatever this test process has (a test run in the background
-    ignores SIGINT)."""
-    if args[0] == sys.executable and _use_rank_server(env):
-        key = _SERVERS.key(env, preload, per_launch)
-        try:
-            proc = _SERVERS.get(key).script(list(args), env=env, default_signals=default_signals, **kwargs)
-            _SERVER_STATS["scripts"] += 1
-            return proc
-        except rank_server.ServerGone:
-            _SERVERS.drop(key)  # a new Python instead
-    _SERVER_STATS["fresh"] += 1
-    if default_signals:
-        kwargs["preexec_fn"] = _default_signals
-    return subprocess.Popen(args, env=env, **kwargs)
+    test_rank_server.py checks it."""
+    fork = args[0] == sys.executable and _use_rank_server(env)
+    proc = _SERVERS.popen(args, env=env, preload=preload, fork=fork, **kwargs)
+    _SERVER_STATS["scripts" if isinstance(proc, rank_server.ForkedProcess) else "fresh"] += 1
+    return proc
 
 
 _SERVERS = rank_server.ServerPool(limit=8)

@@ -158,28 +158,19 @@ def _env(rank: int, port: int) -> dict:
     return env
 
 
-def _start_job(mode: str, steps: int, timeout: float, backend: str, user_collectives: bool, servers=None):
+def _start_job(mode: str, steps: int, timeout: float, backend: str, user_collectives: bool, servers,
+               fork: bool):
+    import rank_server
+
     port = _free_port()
     extra = ["--user-collectives"] if user_collectives else []
     cmd = [sys.executable, __file__, "--rank-mode", mode, "--steps", str(steps), "--backend", backend, *extra]
-    procs = []
-    for rank in range(2):
-        env, kw = _env(rank, port), {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "cwd": str(ROOT)}
-        if servers is not None:
-            import rank_server
-
-            # What a rank imports before its process group exists, in its order: pgd.init()
-            # imports torch._dynamo first; the script's own init_process_group("gloo")
-            # comes before its optimizer imports torch._dynamo.
-            preload = rank_server.PRELOAD_PGD_INIT if backend == "pgd" else rank_server.PRELOAD_PGD
-            key = servers.key(env, preload)
-            try:
-                procs.append(servers.get(key).script(cmd, env=env, **kw))
-                continue
-            except rank_server.ServerGone as e:
-                servers.drop(key)
-                print(f"no rank server ({e}): this rank is a new Python", flush=True)
-        procs.append(subprocess.Popen(cmd, env=env, **kw))
+    # What a rank imports before its process group exists, in its order: pgd.init()
+    # imports torch._dynamo first; the script's own init_process_group("gloo")
+    # comes before its optimizer imports torch._dynamo.
+    preload = rank_server.PRELOAD_PGD_INIT if backend == "pgd" else rank_server.PRELOAD_PGD
+    procs = [servers.popen(cmd, env=_env(rank, port), preload=preload, fork=fork, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, cwd=str(ROOT)) for rank in range(2)]
     return {"mode": mode, "procs": procs, "deadline": time.monotonic() + timeout}
 
 
@@ -190,27 +181,23 @@ def _aborted(code: int, out: str) -> bool:
 def run(n: int, jobs: int, modes: tuple[str, ...], steps: int, timeout: float, verbose: bool,
         backend: str = "pgd", user_collectives: bool = False, fork_server: bool = False) -> dict:
     """Run ``n`` process exits (``n // 2`` jobs of 2 ranks), ``jobs`` jobs at a time."""
-    servers = None
-    if fork_server:
-        sys.path.insert(0, str(HERE))
-        import rank_server
+    import rank_server  # this file's directory is sys.path[0]
 
-        servers = rank_server.ServerPool(limit=2)  # one per rank
+    servers = rank_server.ServerPool(limit=2)  # one per rank, used with fork_server
     try:
-        return _run(n, jobs, modes, steps, timeout, verbose, backend, user_collectives, servers)
+        return _run(n, jobs, modes, steps, timeout, verbose, backend, user_collectives, servers, fork_server)
     finally:
-        if servers is not None:
-            servers.close()
+        servers.close()
 
 
-def _run(n, jobs, modes, steps, timeout, verbose, backend, user_collectives, servers) -> dict:
+def _run(n, jobs, modes, steps, timeout, verbose, backend, user_collectives, servers, fork) -> dict:
     todo = [modes[i % len(modes)] for i in range((n + 1) // 2)]
     running: list[dict] = []
     stats = {"exits": 0, "aborts": 0, "unexpected": 0, "timeouts": 0, "by_mode": {}}
     t0 = time.monotonic()
     while todo or running:
         while todo and len(running) < jobs:
-            running.append(_start_job(todo.pop(0), steps, timeout, backend, user_collectives, servers))
+            running.append(_start_job(todo.pop(0), steps, timeout, backend, user_collectives, servers, fork))
         time.sleep(0.05)
         for job in list(running):
             procs = job["procs"]

@@ -43,14 +43,20 @@ def die_with_the_test() -> None:
     PR_SET_PDEATHSIG survives the exec that started this process; a parent
     that was already gone before the prctl is caught by the pid check."""
     parent = os.environ.get(PARENT_ENV)
-    if not parent or not sys.platform.startswith("linux"):
-        return
+    if parent and die_with_the_parent() and os.getppid() != int(parent):
+        os._exit(1)
+
+
+def die_with_the_parent() -> bool:
+    """Linux: SIGKILL to this process when its parent dies (PR_SET_PDEATHSIG,
+    which fork() clears and exec keeps); whether it could be set."""
+    if not sys.platform.startswith("linux"):
+        return False
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        return
-    if os.getppid() != int(parent):
-        os._exit(1)
+        return False
+    return True
 
 
 def main(argv: list[str]) -> None:

@@ -85,7 +85,6 @@ process dies (``rank_main.die_with_the_test``).
 from __future__ import annotations
 
 import atexit
-import ctypes
 import gc
 import importlib
 import importlib.machinery
@@ -206,48 +205,47 @@ def _serve(sock: socket.socket) -> tuple[dict, list[int]]:
             _send(sock, {"id": req["id"], "pid": pid})
 
 
-def _become_rank(req: dict) -> None:
-    """In the forked process: the rank's environment, directory, argv and log, as Popen would set them."""
+def _become(req: dict, out: int, err: int) -> None:
+    """In the forked process, for a rank and a script alike: the environment,
+    directory and stdout/stderr a process Popen started would have (``out``
+    and ``err`` are closed here), and random generators seeded anew."""
     os.environ.clear()
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
-    fd = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.argv = [str(RANK_MAIN), *req["argv"]]
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    for fd in {out, err}:
+        os.close(fd)
     # A new Python seeds torch's default generator and numpy's global one at random (the
-    # random module reseeds itself after fork): so does each forked rank, not the server's.
+    # random module reseeds itself after fork): so does each forked process, not the server's.
     sys.modules["torch"].default_generator.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+
+
+def _become_rank(req: dict) -> None:
+    """In the forked process: the rank's environment, directory, argv and log, as Popen would set them."""
+    fd = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    _become(req, fd, fd)
+    sys.argv = [str(RANK_MAIN), *req["argv"]]
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _become_script(req: dict, fds: list[int], path: list[str]) -> types.ModuleType:
     """In the forked process: what ``python SCRIPT ARGS`` would have set up, as
     Popen would have started it; returns the ``__main__`` module to run it in."""
-    os.environ.clear()
-    os.environ.update(req["env"])
-    os.chdir(req["cwd"])
     if req["new_session"]:
         os.setsid()
-    os.dup2(fds[0], 1)
-    os.dup2(fds[1], 2)
-    for fd in set(fds):
-        os.close(fd)
+    _become(req, *fds)
     # A new Python installs KeyboardInterrupt for SIGINT unless it started with SIGINT
     # ignored; it leaves SIGTERM as it found it. Popen's child finds what the test had
     # (or the defaults, with the exit tests' preexec_fn).
     signal.signal(signal.SIGINT, signal.SIG_IGN if req["sigint_ignored"] else signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_IGN if req["sigterm_ignored"] else signal.SIG_DFL)
-    _prctl_pdeathsig()  # dies with the server (fork() cleared the server's own)
+    sys.modules["rank_main"].die_with_the_parent()  # the server (fork() cleared the server's own)
     script = req["script"]
     sys.argv = [script, *req["argv"]]
     sys.path[:] = [os.path.dirname(os.path.realpath(script)), *path]
-    sys.modules["torch"].default_generator.seed()
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
     # What the server imported was frozen (gc.freeze() before the fork): a fresh
     # Python's last collections, at exit, walk torch's objects too. Registered
     # first, so it runs after every atexit handler the script registers.
@@ -271,13 +269,6 @@ def _without_server_frames(hook):
             value.__traceback__ = tb  # what sys.excepthook prints
         hook(kind, value, tb)
     return excepthook
-
-
-def _prctl_pdeathsig() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def server_main(fd: int, preload: tuple[str, ...] = PRELOAD) -> None:
@@ -519,14 +510,12 @@ class RankServer:
             os.close(err_fd)
         try:
             reply = self._wait_for(lambda: self.replies.pop(rid, None), timeout)
+            if "error" in reply:
+                raise ServerGone(reply["error"])
         except ServerGone:
             if read_end is not None:
                 read_end.close()
             raise
-        if "error" in reply:
-            if read_end is not None:
-                read_end.close()
-            raise ServerGone(reply["error"])
         proc = ForkedProcess(self, reply["pid"], [str(a) for a in args], read_end, text)
         self.ranks[reply["pid"]] = proc
         return proc
@@ -547,6 +536,13 @@ class RankServer:
         # Kept if it says something and the server did not end cleanly: the failures it caused name it.
         if self.proc.returncode == 0 or not self.log.exists() or self.log.stat().st_size == 0:
             self.log.unlink(missing_ok=True)
+
+
+def _default_signals() -> None:
+    """In a new Python's child before exec: SIGINT and SIGTERM as a terminal's
+    Ctrl-C and torchrun find them (Popen's preexec_fn)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 class ServerPool:
@@ -584,6 +580,25 @@ class ServerPool:
             self.started += 1
         self.servers[key] = server
         return server
+
+    def popen(self, args: list, *, env: dict, preload: tuple[str, ...] = PRELOAD_TORCH,
+              per_launch: tuple[str, ...] = (), default_signals: bool = False, fork: bool = True, **kwargs):
+        """``subprocess.Popen(args, env=env, **kwargs)`` for ``args = [sys.executable,
+        SCRIPT, *ARGV]``: forked by the server for ``env`` and ``preload``
+        (``RankServer.script``), or a new Python where ``fork`` is false or no
+        server can be had. ``per_launch``: variables of ``env`` that differ
+        between launches and that nothing reads at import (MASTER_PORT is one
+        already). ``default_signals``: SIGINT and SIGTERM as a terminal gives
+        them, whatever this process has (a run in the background ignores SIGINT)."""
+        if fork:
+            key = self.key(env, preload, per_launch)
+            try:
+                return self.get(key).script(list(args), env=env, default_signals=default_signals, **kwargs)
+            except ServerGone:
+                self.drop(key)  # a new Python instead
+        if default_signals:
+            kwargs["preexec_fn"] = _default_signals
+        return subprocess.Popen(args, env=env, **kwargs)
 
     def drop(self, key: tuple) -> None:
         server = self.servers.pop(key, None)
