@@ -371,7 +371,8 @@ def pytest_terminal_summary(terminalreporter):
     if _SERVER_STATS["ranks"] or _SERVER_STATS["scripts"] or _SERVER_STATS["fresh"]:
         terminalreporter.write_line(
             f"run_ranks, popen_script: {_SERVER_STATS['ranks']} ranks and {_SERVER_STATS['scripts']} scripts "
-            f"forked by {_SERVERS.started} rank server(s), {_SERVER_STATS['fresh']} started as new Pythons "
+            f"forked by {_SERVERS.started} rank server(s) (the servers and their zygotes: "
+            f"{_SERVERS.new_pythons} new Pythons), {_SERVER_STATS['fresh']} started as new Pythons "
             f"(tests/python/rank_server.py)")
 
 

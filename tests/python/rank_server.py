@@ -47,7 +47,8 @@ tests/python/test_rank_server.py runs one probe script both ways and checks
 that each of these is the same. What differs, and is accepted: the parent
 process (the server), ``gc.get_freeze_count()`` while the script runs, and a
 script's hash seed and address layout, which it shares with the other scripts
-its server forks (the two ranks of a launch have servers of their own). The
+forked from its zygote (below; the two ranks of a launch have zygotes of their
+own). The
 full exit checks (``python tests/python/exit_stress.py --n 500``) start every
 rank as a new Python.
 
@@ -58,11 +59,20 @@ keep plain processes), ranks expected to fail in ``run_ranks``, launchers
 any test run with ``PGD_TEST_FRESH_RANKS=1`` (every process a new Python
 again, to rule this server out when a test misbehaves).
 
-The server is started per environment, rank included: an environment variable
-read at import (``PYGRAPH_DIST_HOST_SPANS``, or ``RANK`` in Lightning) is seen
-at import as a new rank would see it, because ranks whose environment differs
-(in anything but ``MASTER_PORT``) get servers of their own; so the two ranks of
-a test also differ in hash seed and address layout, as separate Pythons do.
+A server is kept per environment, rank included: an environment variable read
+at import (``PYGRAPH_DIST_HOST_SPANS``, or ``RANK`` in Lightning) is seen at
+import as a new rank would see it, because ranks whose environment differs (in
+anything but ``MASTER_PORT``) get servers of their own. A server is itself a
+fork of a zygote, a server that imported only as much of torch,
+torch.distributed and torch._dynamo as its preload list starts with. Those
+read none of the launcher's rank and address variables, nor pygraph_dist's,
+Hugging Face's or the tests' own (``import_inert``; test_rank_server.py checks
+what they look up at import), so one zygote serves every environment that
+differs only in those; the server sets its environment before it imports the
+rest of its list. There is a zygote per value of the rank variables: the two
+ranks of a test still differ in hash seed and address layout, as separate
+Pythons do. A run of the CPU suite starts some 50 servers; without zygotes each
+was a new Python importing torch.
 Each rank draws new seeds for torch's and numpy's generators. The server must
 stay single-threaded (``fork()`` copies one thread): it checks that after
 every import. Before each fork it moves what it imported out of the garbage
@@ -75,11 +85,15 @@ Protocol (JSON lines over a socketpair): the test side sends ``{"op": "spawn",
 "id", "module", "argv", "env", "cwd", "log"}``, ``{"op": "script", "id",
 "script", "argv", "env", "cwd", "new_session", "sigint_ignored",
 "sigterm_ignored", "nfds"}`` (with ``nfds`` file descriptors, stdout and
-stderr, as SCM_RIGHTS) and ``{"op": "signal", "pid", "sig"}``; the server answers ``{"id", "pid"}`` (or ``{"id", "error"}``) and
-reports each exit as ``{"exit": pid, "rc": returncode}`` (Popen's convention).
-EOF on the socket (the test process closed it or died) kills the server's
-ranks and ends it; the server and its ranks also get SIGKILL when the test
-process dies (``rank_main.die_with_the_test``).
+stderr, as SCM_RIGHTS), ``{"op": "server", "id", "env", "preload", "log",
+"nfds": 1}`` (a zygote's fork, with its own socket as the file descriptor) and
+``{"op": "signal", "pid", "sig"}``; the server answers ``{"id", "pid"}`` (or
+``{"id", "error"}``) and reports each exit as ``{"exit": pid, "rc":
+returncode}`` (Popen's convention). EOF on the socket (the test process
+closed it or died) kills the server's ranks (and a zygote's servers) and ends
+it; a server and its ranks also get SIGKILL when the test process dies
+(``rank_main.die_with_the_test``, and each fork dies with the process it was
+forked from).
 """
 
 from __future__ import annotations
@@ -113,6 +127,22 @@ PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "pygraph_dist", "commo
 PRELOAD_TORCH = ("torch", "torch.distributed")
 PRELOAD_PGD = (*PRELOAD_TORCH, "pygraph_dist")
 PRELOAD_PGD_INIT = (*PRELOAD_PGD, "torch._dynamo")
+# A server is forked from a zygote: a server that imported the longest prefix
+# of its preload list made of these, in this order (each a fork of the one
+# before it, the first a new Python). They read none of IMPORT_INERT's
+# variables at import, so a zygote imports them once for every environment
+# that differs only in those, and each server sets its own environment before
+# it imports the rest (test_rank_server.py checks what torch reads at import).
+ZYGOTE_MODULES = ("torch", "torch.distributed", "torch._dynamo")
+RANK_NAMES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK")
+IMPORT_INERT = frozenset({*RANK_NAMES, "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
+                          "MASTER_ADDR", "MASTER_PORT"})
+IMPORT_INERT_PREFIXES = ("PYGRAPH_DIST_", "PGD_", "HF_", "TRANSFORMERS_")
+
+
+def import_inert(name: str) -> bool:
+    """Whether ZYGOTE_MODULES leave ``name`` unread at import."""
+    return name in IMPORT_INERT or name.startswith(IMPORT_INERT_PREFIXES)
 
 
 # ---------------------------------------------------------------- the server
@@ -131,7 +161,7 @@ def _send(sock: socket.socket, msg: dict) -> None:
 def _serve(sock: socket.socket) -> tuple[dict, list[int]]:
     """Answer requests until EOF; returns only in a forked rank, with its request
     and the file descriptors that came with it."""
-    children: set[int] = set()
+    children: dict[int, str] = {}  # pid: its request's op ("server": a server forked for another environment)
     buf = b""
     passed_fds: list[int] = []
     while True:
@@ -139,9 +169,10 @@ def _serve(sock: socket.socket) -> tuple[dict, list[int]]:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            children.discard(pid)
+            children.pop(pid, None)
             _send(sock, {"exit": pid, "rc": os.waitstatus_to_exitcode(status)})
-        ready, _, _ = select.select([sock], [], [], 0.02 if children else 0.5)
+        busy = any(op != "server" for op in children.values())  # a rank's end is waited for: look often
+        ready, _, _ = select.select([sock], [], [], 0.02 if busy else 0.5)
         if not ready:
             continue
         data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)  # a script's stdout/stderr come as fds
@@ -174,6 +205,7 @@ def _serve(sock: socket.socket) -> tuple[dict, list[int]]:
             # An import that fails is left to the rank, whose log then shows the traceback.
             # A test module's RANK_PRELOAD names what its rank bodies import (transformers, lightning).
             # "script": nothing more; the script imports the rest itself, in its own order.
+            # "server": nothing here; the fork sets its environment first (_become_server).
             if req["op"] == "spawn":
                 try:
                     module = importlib.import_module(req["module"])
@@ -198,10 +230,12 @@ def _serve(sock: socket.socket) -> tuple[dict, list[int]]:
                 sock.close()
                 for fd in passed_fds:
                     os.close(fd)
+                if req["op"] == "server":
+                    return _serve(_become_server(req, fds[0]))
                 return req, fds
             for fd in fds:  # the rank has them now
                 os.close(fd)
-            children.add(pid)
+            children[pid] = req["op"]
             _send(sock, {"id": req["id"], "pid": pid})
 
 
@@ -221,6 +255,33 @@ def _become(req: dict, out: int, err: int) -> None:
     sys.modules["torch"].default_generator.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+
+
+def _become_server(req: dict, fd: int) -> socket.socket:
+    """In a server forked for another environment (``RankServer(parent=...)``):
+    that environment, its own log, then the rest of its preload list, imported
+    as a new server imports it; returns its socket, "ready" sent."""
+    sys.modules["rank_main"].die_with_the_parent()  # the server it was forked from
+    log = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    sock = socket.socket(fileno=fd)
+    try:
+        for name in req["preload"]:
+            importlib.import_module(name)
+    except BaseException:  # noqa: BLE001 -- in its log; the test side then starts a new Python
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    _send(sock, {"ready": _threads() == 1, "error": f"{_threads()} threads after importing {', '.join(req['preload'])}"})
+    if _threads() > 1:
+        os._exit(1)
+    return sock
 
 
 def _become_rank(req: dict) -> None:
@@ -378,14 +439,24 @@ class ForkedProcess(ForkedRank):
 class RankServer:
     """The test side of one server (one per environment and preload list)."""
 
-    def __init__(self, env: dict, log: Path, timeout: float = 120, preload: tuple[str, ...] = PRELOAD):
+    def __init__(self, env: dict, log: Path, timeout: float = 120, preload: tuple[str, ...] = PRELOAD,
+                 parent: "RankServer | None" = None):
+        """A new Python that imports ``preload`` with ``env``; or, with ``parent``,
+        a fork of that server, which sets ``env`` and then imports the rest of
+        ``preload`` (ServerPool's zygotes)."""
         ours, theirs = socket.socketpair()
         self.log = log
-        with open(log, "w") as f:
-            self.proc = subprocess.Popen([sys.executable, str(SERVER), str(theirs.fileno()), ",".join(preload)],
-                                         env=env, pass_fds=[theirs.fileno()], stdout=f,
-                                         stderr=subprocess.STDOUT, cwd=str(HERE.parents[1]))
-        theirs.close()
+        self.parent = parent
+        try:
+            if parent is None:
+                with open(log, "w") as f:
+                    self.proc = subprocess.Popen(
+                        [sys.executable, str(SERVER), str(theirs.fileno()), ",".join(preload)], env=env,
+                        pass_fds=[theirs.fileno()], stdout=f, stderr=subprocess.STDOUT, cwd=str(HERE.parents[1]))
+            else:
+                self.proc = parent._fork_server(theirs, env, preload, log, timeout)
+        finally:
+            theirs.close()
         self.sock = ours
         self.buf = b""
         self.ranks: dict[int, ForkedRank] = {}
@@ -520,6 +591,26 @@ class RankServer:
         self.ranks[reply["pid"]] = proc
         return proc
 
+    def _fork_server(self, sock: socket.socket, env: dict, preload: tuple[str, ...], log: Path,
+                     timeout: float) -> ForkedProcess:
+        """Fork this server into a server for ``env`` that talks over ``sock``: the
+        new server's process, as the part of Popen that RankServer uses."""
+        if self.dead:
+            raise ServerGone(self._why())
+        self.next_id += 1
+        rid = self.next_id
+        msg = {"op": "server", "id": rid, "env": env, "preload": list(preload), "log": str(log), "nfds": 1}
+        try:
+            socket.send_fds(self.sock, [(json.dumps(msg) + "\n").encode()], [sock.fileno()])
+        except OSError:
+            self._gone()
+        reply = self._wait_for(lambda: self.replies.pop(rid, None), timeout)
+        if "error" in reply:
+            raise ServerGone(reply["error"])
+        proc = ForkedProcess(self, reply["pid"], ["rank server", str(log)], None, False)
+        self.ranks[reply["pid"]] = proc
+        return proc
+
     def signal(self, pid: int, sig: int) -> None:
         self._send({"op": "signal", "pid": pid, "sig": int(sig)})
 
@@ -551,16 +642,24 @@ class ServerPool:
     A server imports with its ranks' environment, except what is set per launch
     (``PER_LAUNCH_ENV`` and a caller's ``per_launch``: nothing reads them at
     import). So each rank of a test has a server of its own (RANK differs:
-    Lightning reads it at import), which also gives the ranks different hash
-    seeds and address layouts, as separate Pythons have. Each server holds torch
-    in memory (~0.5 GB): past ``limit``, the least recently used one is retired."""
+    Lightning reads it at import). A server is a fork of a zygote (a server
+    that imported the longest prefix of its preload list made of
+    ``ZYGOTE_MODULES``) that then sets its environment and imports the rest of
+    its list. A zygote serves every environment that differs only in
+    variables those modules leave unread at import (``import_inert``), per
+    value of the rank variables: so the ranks of a test still come from
+    different Pythons, with different hash seeds and address layouts, as
+    separate Pythons have. Past ``limit`` servers the least recently used one
+    is retired; a zygote, once nothing forked from it is kept."""
 
     PER_LAUNCH_ENV = frozenset({"MASTER_PORT", "PYTEST_CURRENT_TEST", "PGD_TEST_RANKS_PARENT"})
 
-    def __init__(self, limit: int = 8):
-        self.limit = limit
+    def __init__(self, limit: int = 8, zygote_limit: int = 12):
+        self.limit, self.zygote_limit = limit, zygote_limit
         self.servers: dict[tuple, RankServer] = {}
-        self.started = 0
+        self.zygotes: dict[tuple, RankServer] = {}
+        self.started = 0  # servers
+        self.new_pythons = 0  # of the servers and zygotes, those started as new Pythons
 
     def key(self, env: dict, preload: tuple[str, ...] = PRELOAD, per_launch: tuple[str, ...] = ()) -> tuple:
         skip = self.PER_LAUNCH_ENV.union(per_launch)
@@ -573,13 +672,64 @@ class ServerPool:
             while len(self.servers) >= self.limit:
                 self.servers.pop(next(iter(self.servers))).close()
             preload, items = key
-            server_env = dict(items, PGD_TEST_RANKS_PARENT=str(os.getpid()))  # the server dies with us
-            fd, log = tempfile.mkstemp(prefix="pgd-rank-server-", suffix=".log")
-            os.close(fd)
-            server = RankServer(server_env, Path(log), preload=preload)
+            self._retire_zygotes()
+            zygote = self._zygote(preload, items)
+            try:
+                server = self._start(dict(items), preload, zygote)
+            except ServerGone:
+                if zygote is None:
+                    raise
+                for zkey in [zkey for zkey, z in self.zygotes.items() if z.dead]:
+                    del self.zygotes[zkey]
+                server = self._start(dict(items), preload, None)  # this one a new Python
             self.started += 1
         self.servers[key] = server
         return server
+
+    def _start(self, env: dict, preload: tuple[str, ...], parent: RankServer | None) -> RankServer:
+        env["PGD_TEST_RANKS_PARENT"] = str(os.getpid())  # a new Python's server dies with us
+        fd, log = tempfile.mkstemp(prefix="pgd-rank-server-", suffix=".log")
+        os.close(fd)
+        server = RankServer(env, Path(log), preload=preload, parent=parent)
+        self.new_pythons += parent is None
+        return server
+
+    def _zygote(self, preload: tuple[str, ...], items: tuple) -> RankServer | None:
+        """The zygote to fork a server for ``preload`` and ``items`` from, started
+        (with the zygotes before it) if there is none; None where none serves."""
+        n = 0
+        while n < min(len(preload), len(ZYGOTE_MODULES)) and preload[n] == ZYGOTE_MODULES[n]:
+            n += 1
+        if n == 0:
+            return None
+        ident = tuple((k, v) for k, v in items if k in RANK_NAMES)  # its own hash seed per rank
+        env = tuple((k, v) for k, v in items if not import_inert(k))
+        parent = None
+        for depth in range(1, n + 1):
+            zkey = (ZYGOTE_MODULES[:depth], ident, env)
+            zygote = self.zygotes.pop(zkey, None)
+            if zygote is None or zygote.dead:
+                try:
+                    zygote = self._start(dict(env), ZYGOTE_MODULES[:depth], parent)
+                except ServerGone:
+                    return parent
+            self.zygotes[zkey] = zygote
+            parent = zygote
+        return parent
+
+    def _retire_zygotes(self) -> None:
+        """Past ``zygote_limit``, the least recently used zygotes that no kept server
+        or zygote was forked from."""
+        retired = True
+        while retired and len(self.zygotes) > self.zygote_limit:
+            retired = False
+            kept = [*self.servers.values(), *self.zygotes.values()]
+            for zkey, zygote in list(self.zygotes.items()):
+                if not any(s.parent is zygote for s in kept):
+                    del self.zygotes[zkey]
+                    zygote.close()
+                    retired = True
+                    break
 
     def popen(self, args: list, *, env: dict, preload: tuple[str, ...] = PRELOAD_TORCH,
               per_launch: tuple[str, ...] = (), default_signals: bool = False, fork: bool = True, **kwargs):
@@ -608,6 +758,8 @@ class ServerPool:
     def close(self) -> None:
         while self.servers:
             self.servers.popitem()[1].close()
+        for zkey in sorted(self.zygotes, key=lambda zkey: -len(zkey[0])):  # a zygote's forks before it
+            self.zygotes.pop(zkey).close()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ atexit handlers; output through a pipe and a file).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -133,3 +134,92 @@ def test_forked_scripts_write_to_files_and_get_seeds_of_their_own(tmp_path):
         pool.close()
     assert [log[1] for log in logs] == ["0", "1"]
     assert logs[0][0] != logs[1][0], logs
+
+
+# What the zygotes import is imported once for environments that differ in
+# rank_server.import_inert variables: a check that those modules never look
+# one up by name while they import, in Python (os.environ) and, where a C
+# compiler is at hand, in C (getenv, through an LD_PRELOAD shim).
+ENV_SPY = r'''
+import importlib, os, sys
+names = set()
+class Spy(type(os.environ)):
+    def __getitem__(self, key):
+        if sys._getframe(1).f_code.co_name != "__iter__":  # not a scan of every variable (tqdm's TQDM_*)
+            names.add(key)
+        return super().__getitem__(key)
+    def __contains__(self, key):
+        names.add(key)
+        return super().__contains__(key)
+e = os.environ
+os.environ = Spy(e._data, e.encodekey, e.decodekey, e.encodevalue, e.decodevalue)
+for name in sys.argv[1].split(","):
+    importlib.import_module(name)
+os.environ = e
+sys.stderr.flush()
+os.write(2, b"DONE\n")
+print("\n".join(sorted(names)))
+'''
+
+GETENV_SHIM = r'''
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <unistd.h>
+static void say(const char *name) { char b[512]; int n = snprintf(b, sizeof b, "GETENV %s\n", name); if (n > 0) write(2, b, n < (int)sizeof b ? n : (int)sizeof b - 1); }
+char *getenv(const char *name) { static char *(*real)(const char *); if (!real) real = dlsym(RTLD_NEXT, "getenv"); say(name); return real(name); }
+char *secure_getenv(const char *name) { static char *(*real)(const char *); if (!real) real = dlsym(RTLD_NEXT, "secure_getenv"); say(name); return real(name); }
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rank servers are Linux only")
+def test_the_zygote_modules_read_no_inert_variable_at_import(tmp_path):
+    import shutil
+
+    env = child_env(CUDA_VISIBLE_DEVICES="")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc:
+        shim = tmp_path / "getenv_shim.so"
+        (tmp_path / "shim.c").write_text(GETENV_SHIM)
+        subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(shim), str(tmp_path / "shim.c"), "-ldl"],
+                       check=True, timeout=120)
+        env["LD_PRELOAD"] = str(shim)
+    p = subprocess.run([sys.executable, "-c", ENV_SPY, ",".join(rank_server.ZYGOTE_MODULES)], env=env,
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    in_python = set(p.stdout.split())
+    before_done = p.stderr.split("\nDONE\n")[0] if "\nDONE\n" in p.stderr else p.stderr
+    in_c = {line.split()[1] for line in before_done.splitlines() if line.startswith("GETENV ")}
+    assert "TORCH_LOGS" in in_python, sorted(in_python)  # the spy sees torch's own lookups
+    if cc:
+        assert "OMP_NUM_THREADS" in in_c, sorted(in_c)  # and the shim libtorch's
+    read = sorted(n for n in in_python | in_c if rank_server.import_inert(n))
+    assert not read, f"{rank_server.ZYGOTE_MODULES} read {read} at import: not import_inert then"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rank servers are Linux only")
+def test_servers_forked_from_a_zygote_import_with_their_own_environment(tmp_path):
+    """Two environments that differ only in an import_inert variable share a
+    zygote (one new Python), and each server imports the rest of its preload
+    list with its own value; another rank gets a zygote, and hash seed, of its own."""
+    (tmp_path / "seen_at_import.py").write_text("import os\nSEEN = os.environ.get('PYGRAPH_DIST_PROBE')\n")
+    script = tmp_path / "report.py"
+    script.write_text("import json, os, seen_at_import\n"
+                      "print(json.dumps([seen_at_import.SEEN, os.environ['PYGRAPH_DIST_PROBE'], hash('pgd')]))\n")
+    preload = (*rank_server.PRELOAD_TORCH, "seen_at_import")
+    pool = rank_server.ServerPool()
+    got = []
+    try:
+        for rank, value in (("0", "a"), ("0", "b"), ("1", "a")):
+            env = child_env(CUDA_VISIBLE_DEVICES="", RANK=rank, PYGRAPH_DIST_PROBE=value,
+                            PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+            p = pool.get(pool.key(env, preload)).script([sys.executable, str(script)], env=env, cwd=str(tmp_path),
+                                                        stdout=subprocess.PIPE, text=True)
+            out = p.communicate(timeout=120)[0]
+            assert p.returncode == 0, out
+            got.append(json.loads(out))
+        assert (pool.started, pool.new_pythons) == (3, 2), (pool.started, pool.new_pythons)
+    finally:
+        pool.close()
+    assert [g[:2] for g in got] == [["a", "a"], ["b", "b"], ["a", "a"]]
+    assert got[0][2] == got[1][2] != got[2][2]  # one zygote for rank 0's two, another for rank 1
