@@ -14,7 +14,8 @@
 #    environment, python3/python on PATH, /opt/*/.venv -- .venv is built on it
 #    and sees its packages (that torch, and whatever else is installed there);
 #    otherwise torch==2.13.0 is installed (on the dev/CI machine the CPU wheel
-#    on local disk).
+#    on local disk) into a .venv made with PGD_BASE_PYTHON (default: python3 on
+#    PATH; .ci/run says why CI gives another).
 # 3. Build and test tools that are missing (none is downloaded when all are
 #    present), mpi4py built against the launcher's MPI; optional ones
 #    (matplotlib, tqdm, mpi4py; with PGD_SETUP_TESTS=1 sphinx and myst-parser for
@@ -182,7 +183,7 @@ else
     inherit_site_packages "$base"
     torch_ok "$VENV/bin/python" || die "$VENV still cannot import torch from $base"
   elif [ ! -x "$VENV/bin/python" ]; then
-    interp=${base:-$(command -v python3 || true)}
+    interp=${base:-${PGD_BASE_PYTHON:-$(command -v python3 || true)}}
     [ -n "$interp" ] || die "no python3 on PATH"
     say "creating $VENV with $interp (no Python with torch >= 2.11 found; torch==$TORCH_PIN will be installed)"
     make_venv "$interp"
