@@ -318,9 +318,10 @@ def _start_rank(case: str, command: list[str], env: dict, log, expect_success: b
         key = _SERVERS.key(env)
         try:
             server = _SERVERS.get(key)
-            # rank_main.die_with_the_test: the rank dies with the server that forked it.
-            env = dict(env, PGD_TEST_RANKS_PARENT=str(server.proc.pid))
-            rank = server.spawn(case.split(":")[0], command[1:], env, str(ROOT), log.name)
+            # rank_main.die_with_the_test: the rank dies with the server that forked it (a
+            # new Python instead, below, with the test process: env is left as it is).
+            forked_env = dict(env, PGD_TEST_RANKS_PARENT=str(server.proc.pid))
+            rank = server.spawn(case.split(":")[0], command[1:], forked_env, str(ROOT), log.name)
             _SERVER_STATS["ranks"] += 1
             return rank
         except rank_server.ServerGone as e:

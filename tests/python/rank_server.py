@@ -154,6 +154,18 @@ def _threads() -> int:
         return 1
 
 
+def _thread_names() -> str:
+    """This process's threads by name (/proc/self/task/*/comm): which import started one."""
+    names = []
+    try:
+        for tid in sorted(os.listdir("/proc/self/task")):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+    except OSError:
+        pass
+    return ", ".join(names)
+
+
 def _send(sock: socket.socket, msg: dict) -> None:
     sock.sendall((json.dumps(msg) + "\n").encode())
 
@@ -214,8 +226,8 @@ def _serve(sock: socket.socket) -> tuple[dict, list[int]]:
                 except BaseException:  # noqa: BLE001 -- the rank raises it again, in its log
                     pass
             if _threads() > 1:
-                _send(sock, {"id": req["id"], "error": f"the server has {_threads()} threads after importing "
-                             f"{req.get('module', 'its preloads')}: fork() would copy only one"})
+                _send(sock, {"id": req["id"], "error": f"the server has {_threads()} threads ({_thread_names()}) "
+                             f"after importing {req.get('module', 'its preloads')}: fork() would copy only one"})
                 for fd in fds:
                     os.close(fd)
                 continue
@@ -278,7 +290,8 @@ def _become_server(req: dict, fd: int) -> socket.socket:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
-    _send(sock, {"ready": _threads() == 1, "error": f"{_threads()} threads after importing {', '.join(req['preload'])}"})
+    _send(sock, {"ready": _threads() == 1,
+                 "error": f"{_threads()} threads ({_thread_names()}) after importing {', '.join(req['preload'])}"})
     if _threads() > 1:
         os._exit(1)
     return sock
@@ -342,7 +355,8 @@ def server_main(fd: int, preload: tuple[str, ...] = PRELOAD) -> None:
         importlib.import_module(name)
     sock = socket.socket(fileno=fd)
     if _threads() > 1:
-        _send(sock, {"ready": False, "error": f"{_threads()} threads after importing {', '.join(preload)}"})
+        _send(sock, {"ready": False,
+                     "error": f"{_threads()} threads ({_thread_names()}) after importing {', '.join(preload)}"})
         return
     _send(sock, {"ready": True})
     req, fds = _serve(sock)

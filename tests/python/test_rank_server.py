@@ -55,6 +55,10 @@ elif mode in ("sigint", "sigterm"):
 
 MODES = {"return": 0, "exit3": 3, "raise": 1, "sigint": -signal.SIGINT, "sigterm": -signal.SIGTERM}
 
+# What this module's ranks import in their server: a module that starts a
+# thread, so that the server refuses to fork them (test below).
+RANK_PRELOAD = ("thread_at_import",)
+
 
 @pytest.fixture(scope="module")
 def pool():
@@ -223,3 +227,17 @@ def test_servers_forked_from_a_zygote_import_with_their_own_environment(tmp_path
         pool.close()
     assert [g[:2] for g in got] == [["a", "a"], ["b", "b"], ["a", "a"]]
     assert got[0][2] == got[1][2] != got[2][2]  # one zygote for rank 0's two, another for rank 1
+
+
+def parent_of_the_rank(out) -> dict:
+    """A rank body: what started this rank."""
+    return {"parent": os.getppid(), "server_threads": "thread_at_import" in sys.modules}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rank servers are Linux only")
+def test_ranks_whose_server_cannot_fork_run_as_new_pythons(ranks):
+    """A server that has a thread after its imports cannot fork (fork() would copy
+    one thread): the ranks are then new Pythons of the test process, and run."""
+    for r in ranks("test_rank_server:parent_of_the_rank", world_size=2, timeout=120):
+        assert r["parent"] == os.getpid(), r
+        assert not r["server_threads"], r  # a new Python imported only what the rank needs
