@@ -18,6 +18,16 @@ took() { local s=$((SECONDS - ${1:-$START})); printf '%d min %02d s' $((s / 60))
 source "$(dirname "${BASH_SOURCE[0]}")/../launch/setup-env.sh"
 cd "$PGD_ROOT"
 times=("setup $(took)")
+# How quick this host is now, for comparing this run's durations with others'
+# (the CI machine's speed has varied by half within an hour).
+"$PY" - <<'PYEOF' >&2
+import platform, time
+t, s = time.process_time(), 0
+for i in range(10_000_000):
+    s += i
+print(f"== host speed: a 10-million-step Python loop took {time.process_time() - t:.2f} CPU-s "
+      f"(Python {platform.python_version()})")
+PYEOF
 # cmake/ctest/ninja: the Python packages' binaries, else the ones on PATH.
 if CMAKE="$("$PY" -c 'import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, "cmake"))' 2>/dev/null)"; then
   export PATH="$(dirname "$CMAKE"):$PATH"
