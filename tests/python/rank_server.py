@@ -85,8 +85,8 @@ Protocol (JSON lines over a socketpair): the test side sends ``{"op": "spawn",
 "id", "module", "argv", "env", "cwd", "log"}``, ``{"op": "script", "id",
 "script", "argv", "env", "cwd", "new_session", "sigint_ignored",
 "sigterm_ignored", "nfds"}`` (with ``nfds`` file descriptors, stdout and
-stderr, as SCM_RIGHTS), ``{"op": "server", "id", "env", "preload", "log",
-"nfds": 1}`` (a zygote's fork, with its own socket as the file descriptor) and
+stderr, as SCM_RIGHTS), ``{"op": "server", "id", "env", "cwd", "preload",
+"log", "nfds": 1}`` (a zygote's fork, with its own socket as the file descriptor) and
 ``{"op": "signal", "pid", "sig"}``; the server answers ``{"id", "pid"}`` (or
 ``{"id", "error"}``) and reports each exit as ``{"exit": pid, "rc":
 returncode}`` (Popen's convention). EOF on the socket (the test process
@@ -269,17 +269,24 @@ def _become(req: dict, out: int, err: int) -> None:
         sys.modules["numpy"].random.seed()
 
 
+def _ready(sock: socket.socket, preload) -> bool:
+    """Tell the test side whether this server can fork (one thread after importing ``preload``)."""
+    if _threads() > 1:
+        _send(sock, {"ready": False, "error": f"{_threads()} threads ({_thread_names()}) after importing "
+                     f"{', '.join(preload)}"})
+        return False
+    _send(sock, {"ready": True})
+    return True
+
+
 def _become_server(req: dict, fd: int) -> socket.socket:
     """In a server forked for another environment (``RankServer(parent=...)``):
-    that environment, its own log, then the rest of its preload list, imported
-    as a new server imports it; returns its socket, "ready" sent."""
+    what a new server Popen started would have (its environment, directory and
+    log), then the rest of its preload list, imported as a new server imports
+    it; returns its socket, "ready" sent."""
     sys.modules["rank_main"].die_with_the_parent()  # the server it was forked from
     log = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    os.environ.clear()
-    os.environ.update(req["env"])
+    _become(req, log, log)
     sock = socket.socket(fileno=fd)
     try:
         for name in req["preload"]:
@@ -290,9 +297,7 @@ def _become_server(req: dict, fd: int) -> socket.socket:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
-    _send(sock, {"ready": _threads() == 1,
-                 "error": f"{_threads()} threads ({_thread_names()}) after importing {', '.join(req['preload'])}"})
-    if _threads() > 1:
+    if not _ready(sock, req["preload"]):
         os._exit(1)
     return sock
 
@@ -354,11 +359,8 @@ def server_main(fd: int, preload: tuple[str, ...] = PRELOAD) -> None:
     for name in preload:
         importlib.import_module(name)
     sock = socket.socket(fileno=fd)
-    if _threads() > 1:
-        _send(sock, {"ready": False,
-                     "error": f"{_threads()} threads ({_thread_names()}) after importing {', '.join(preload)}"})
+    if not _ready(sock, preload):
         return
-    _send(sock, {"ready": True})
     req, fds = _serve(sock)
     if req["op"] == "script":
         main = _become_script(req, fds, path)
@@ -613,7 +615,8 @@ class RankServer:
             raise ServerGone(self._why())
         self.next_id += 1
         rid = self.next_id
-        msg = {"op": "server", "id": rid, "env": env, "preload": list(preload), "log": str(log), "nfds": 1}
+        msg = {"op": "server", "id": rid, "env": env, "cwd": str(HERE.parents[1]), "preload": list(preload),
+               "log": str(log), "nfds": 1}
         try:
             socket.send_fds(self.sock, [(json.dumps(msg) + "\n").encode()], [sock.fileno()])
         except OSError:
