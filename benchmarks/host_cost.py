@@ -707,8 +707,13 @@ def _wall_panel(ax, rs: list[dict]) -> None:
 def environment(args) -> dict:
     import torch
 
+    import pygraph_dist
+
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or 'cpu'})"
+    # package and cpus: which pygraph_dist this run imported, on which CPUs
+    # (host_cost_ab.py checks that its --base side took effect and was pinned)
     return {"device": dev, "torch": torch.__version__, "python": platform.python_version(),
+            "package": pygraph_dist.__file__, "cpus": ",".join(map(str, sorted(os.sched_getaffinity(0)))),
             "host": platform.node(), "steps": args.steps, "warmup": args.warmup,
             "settings": {k: v for k, v in os.environ.items() if k.startswith("PYGRAPH_DIST_")}}
 

@@ -115,18 +115,14 @@ def one_pass(side: str, rnd: int, args, pythonpath: str | None, scratch: Path) -
            "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else [])
     env, pin = side_env(pythonpath), pinning(args)
     t0 = time.perf_counter()
-    probe = subprocess.run([sys.executable, "-c", "import os, pygraph_dist; print(pygraph_dist.__file__); "
-                            "print(','.join(map(str, sorted(os.sched_getaffinity(0)))))"],
-                           env=env, capture_output=True, text=True, timeout=120, preexec_fn=pin)
-    if probe.returncode != 0:
-        raise RuntimeError(f"the {side} side cannot import pygraph_dist:\n{probe.stderr[-3000:]}")
-    package, _, cpus_seen = probe.stdout.strip().partition("\n")
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, preexec_fn=pin)
     out = scratch / f"{name}.json"
     if p.returncode not in (0, 1) or not out.exists():  # 1: a mode failed, its row says so
-        raise RuntimeError(f"host_cost.py ({side}, round {rnd}) failed with exit code {p.returncode}:\n"
-                           f"{p.stderr[-3000:]}")
+        why = ("cannot import pygraph_dist" if "No module named 'pygraph_dist'" in p.stderr
+               else f"failed with exit code {p.returncode}")
+        raise RuntimeError(f"host_cost.py ({side}, round {rnd}) {why}:\n{p.stderr[-3000:]}")
     result = json.loads(out.read_text())
+    package, cpus_seen = result["environment"]["package"], result["environment"]["cpus"]
     print(f"[host_cost_ab] {side:4s} round {rnd + 1}/{args.rounds}: {time.perf_counter() - t0:.0f} s",
           file=sys.stderr)
     return {"side": side, "round": rnd, "package": package, "cpus": cpus_seen,
