@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -123,6 +124,34 @@ def pytest_runtest_logreport(report):
     if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):  # xdist: the controller writes
         with open(path, "a", encoding="utf-8") as f:
             f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+
+
+@pytest.fixture(autouse=True)
+def environment_as_before():
+    """Whatever a test's in-process code sets in ``os.environ`` is undone after it.
+    Libraries do set variables when a test runs them in the pytest process:
+    importing Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK, inductor's cache
+    lookup TORCHINDUCTOR_CACHE_DIR. Left set, they would reach the processes of
+    every later test in this worker, which then ran in an environment that
+    depended on which tests ran before; and each change gave every environment
+    new rank servers and zygotes (keyed by environment: rank_server.ServerPool),
+    about 20 more new Pythons importing torch per run on the 2-core machine."""
+    with environ_restored():
+        yield
+
+
+@contextlib.contextmanager
+def environ_restored():
+    """``os.environ`` as it was on entry, again on exit (but PYTEST_CURRENT_TEST, pytest's own)."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in set(os.environ) - set(before) - {"PYTEST_CURRENT_TEST"}:
+            del os.environ[name]
+        for name, value in before.items():
+            if name != "PYTEST_CURRENT_TEST" and os.environ.get(name) != value:
+                os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)

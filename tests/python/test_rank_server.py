@@ -22,7 +22,7 @@ import time
 import pytest
 
 import rank_server
-from conftest import ROOT, child_env, popen_script
+from conftest import ROOT, child_env, environ_restored, popen_script
 
 PROBE = r'''
 import atexit, gc, json, os, signal, sys, time
@@ -227,6 +227,28 @@ def test_servers_forked_from_a_zygote_import_with_their_own_environment(tmp_path
         pool.close()
     assert [g[:2] for g in got] == [["a", "a"], ["b", "b"], ["a", "a"]]
     assert got[0][2] == got[1][2] != got[2][2]  # one zygote for rank 0's two, another for rank 1
+
+
+def test_what_a_test_sets_in_the_environment_is_undone_after_it():
+    """conftest.environ_restored, around every test (the autouse
+    environment_as_before): variables added, changed or removed in the pytest
+    process are as before afterwards, so the next test's processes, and the
+    rank servers keyed by their environment, are what they would have been."""
+    os.environ["PGD_TEST_PROBE_CHANGED"] = "before"
+    os.environ["PGD_TEST_PROBE_REMOVED"] = "before"
+    try:
+        key = rank_server.ServerPool().key(child_env())
+        with environ_restored():
+            os.environ["PGD_TEST_PROBE_ADDED"] = "during"  # as importing Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK
+            os.environ["PGD_TEST_PROBE_CHANGED"] = "during"
+            del os.environ["PGD_TEST_PROBE_REMOVED"]
+            assert rank_server.ServerPool().key(child_env()) != key
+        assert "PGD_TEST_PROBE_ADDED" not in os.environ
+        assert os.environ["PGD_TEST_PROBE_CHANGED"] == os.environ["PGD_TEST_PROBE_REMOVED"] == "before"
+        assert rank_server.ServerPool().key(child_env()) == key
+    finally:
+        for name in ("PGD_TEST_PROBE_CHANGED", "PGD_TEST_PROBE_REMOVED", "PGD_TEST_PROBE_ADDED"):
+            os.environ.pop(name, None)
 
 
 def parent_of_the_rank(out) -> dict:
