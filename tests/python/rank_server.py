@@ -72,7 +72,9 @@ differs only in those; the server sets its environment before it imports the
 rest of its list. There is a zygote per value of the rank variables: the two
 ranks of a test still differ in hash seed and address layout, as separate
 Pythons do. A run of the CPU suite starts some 50 servers; without zygotes each
-was a new Python importing torch.
+was a new Python importing torch. The environments repeat from test to test
+because conftest puts the pytest process's environment back after each test
+(``environ_restored``: importing Lightning there, for one, sets a variable).
 Each rank draws new seeds for torch's and numpy's generators. The server must
 stay single-threaded (``fork()`` copies one thread): it checks that after
 every import. Before each fork it moves what it imported out of the garbage
